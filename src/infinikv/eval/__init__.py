@@ -1,0 +1,1 @@
+"""Quality measurements; each names the protocol of ``design.md`` it implements."""

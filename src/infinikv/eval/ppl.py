@@ -1,0 +1,70 @@
+"""P-ctx (context compression): prefill ``context`` tokens of a text under a policy, then
+decode the next ``continuation`` tokens one at a time, teacher-forced, under the same policy;
+report the perplexity of those tokens and how much of the cache each step attended to."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import InfinikvError
+from ..policies import Policy
+
+
+def context_tokens(tokenizer, text: str, context: int, continuation: int) -> torch.Tensor:
+    """The first ``context + continuation + 1`` tokens of ``text`` (1, n); errors if too short."""
+    if context < 1 or continuation < 1:
+        raise InfinikvError("--context and --continuation must be at least 1")
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : context + continuation + 1]
+    if ids.shape[1] < context + continuation + 1:
+        raise InfinikvError(
+            f"the text has {ids.shape[1]} tokens, fewer than --context {context} + --continuation {continuation} + 1"
+        )
+    return ids
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress: bool = True) -> dict:
+    """Run P-ctx on ``ids`` (1, context + continuation + 1) and return one result object."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    continuation = ids.shape[1] - context - 1
+    cache = policy.make_cache(model)
+    start = time.perf_counter()
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    nll = torch.zeros((), dtype=torch.float64)
+    steps = tqdm(range(continuation), desc=f"{policy}", unit="tok", disable=not progress, leave=False)
+    for i in steps:
+        logits = model(input_ids=ids[:, context + i : context + i + 1], cache=cache, use_cache=True).logits
+        nll += torch.nn.functional.cross_entropy(logits[0, -1].double(), ids[0, context + i + 1])
+    counts, fractions = cache.attended()
+    return {
+        **policy.describe(),
+        "perplexity": math.exp(float(nll) / continuation),
+        "attended_fraction": sum(fractions) / len(fractions),
+        "attended_tokens": sum(counts) / len(counts),
+        "attended_tokens_per_layer": [round(c, 2) for c in counts],
+        "kv_bytes": cache.peak_bytes(),
+        "context": context,
+        "continuation": continuation,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def run_grid(model, ids: torch.Tensor, policies: Iterable[Policy], context: int, out: Path | None, progress: bool = True):
+    """P-ctx for each policy in turn; each result is appended to ``out`` (JSON lines) as it lands."""
+    results = []
+    for policy in policies:
+        result = perplexity(model, ids, policy, context, progress)
+        results.append(result)
+        if out is not None:
+            with out.open("a") as f:
+                f.write(json.dumps(result) + "\n")
+        yield result
+    return results

@@ -1,0 +1,332 @@
+"""The KV-policy interface: a policy builds one ``KVLayer`` per model layer inside a ``KVCache``.
+
+A ``KVLayer`` is a transformers cache layer (``CacheLayerMixin``) that stores K/V in *slots*.
+Each forward of a layer goes through four calls, always in this order:
+
+1. ``update(k, v)`` (called by the model): write the ``q`` new tokens into free slots and
+   return every stored slot plus the new ones (new tokens last);
+2. ``admit(new_valid)`` (called by infinikv's attention function): which new tokens are real,
+   not left padding (only the attention mask knows);
+3. ``observe(probs)``: attention probabilities, for policies that score tokens
+   (``observes_attention = True``);
+4. ``commit()``: evict down to the budget, in place, by the policy's ``priority``.
+
+Slots are kept per sequence and per KV head, so each row (b, h) keeps its own tokens; the order
+of slots carries no meaning because infinikv's attention builds its own mask from ``valid``.
+The layer counts every token *seen* (``cumulative_length``), which drives RoPE positions and
+``generate``'s input slicing, while ``used`` counts slots physically stored.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import InfinikvError
+
+
+@dataclass(frozen=True)
+class Option:
+    """A policy parameter, exposed as ``--NAME`` on the command line."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None  # a value is accepted when check(value) is true
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, value: Any) -> Any:
+        try:
+            parsed = self.type(value)
+        except (TypeError, ValueError):
+            raise InfinikvError(f"{self.flag} expects {self.type.__name__}, got {value!r}") from None
+        if self.check is not None and not self.check(parsed):
+            raise InfinikvError(f"{self.flag} {parsed} is out of range ({self.help})")
+        return parsed
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a layer may keep: a fraction of the tokens seen, or a fixed count."""
+
+    fraction: float | None = None
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fraction is None) == (self.tokens is None):
+            raise InfinikvError("give exactly one of --budget FRACTION or --capacity TOKENS")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise InfinikvError(f"--budget must be in (0, 1], got {self.fraction}")
+        if self.tokens is not None and self.tokens < 1:
+            raise InfinikvError(f"--capacity must be at least 1 token, got {self.tokens}")
+
+    def capacity(self, seen: torch.Tensor) -> torch.Tensor:
+        """Tokens each sequence may keep, given the real tokens it has seen ``(b,) -> (b,)``."""
+        if self.tokens is not None:
+            return torch.full_like(seen, self.tokens)
+        return torch.ceil(seen * self.fraction).long().clamp(min=1)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.fraction is not None else f"{self.tokens} tokens"
+
+
+class KVLayer(CacheLayerMixin):
+    """A cache layer that stores K/V in slots and evicts by a policy's priority.
+
+    With ``budget=None`` it keeps everything (the ``full`` policy). Subclasses that evict
+    implement ``priority``; those that need attention weights set ``observes_attention``.
+    """
+
+    is_sliding = False
+    is_croppable = False  # eviction makes "drop the last n tokens" meaningless
+    is_compileable = False
+    observes_attention: ClassVar[bool] = False
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        super().__init__()
+        self.budget = budget
+        self.cumulative_length = 0  # tokens seen, padding included; reset() zeroes it
+        self.used = 0  # slots holding a token, the same count in every row
+        self.pending = 0  # newest slots written by update() and not yet committed
+        self.meta: dict[str, torch.Tensor] = {}  # per-slot state, each (b, h, S)
+        self.real_seen: torch.Tensor | None = None  # (b,) real tokens seen per sequence
+        self.trace: list[tuple[int, int, float]] = []  # per forward: (q, seen, keys attended)
+        self.peak_bytes = 0
+
+    # -- storage ---------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states.new_empty(b, h, 0, d)
+        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.meta = {
+            "valid": torch.zeros(b, h, 0, dtype=torch.bool, device=self.device),
+            "position": torch.zeros(b, h, 0, dtype=torch.long, device=self.device),
+            **{name: torch.zeros(b, h, 0, dtype=dtype, device=self.device) for name, dtype in self.extra_meta().items()},
+        }
+        self.real_seen = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def extra_meta(self) -> dict[str, torch.dtype]:
+        """Per-slot state a policy adds (name -> dtype); moved along with its slot on eviction."""
+        return {}
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, *self.meta.values()]
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots, growing geometrically so appends are amortised O(1)."""
+        size = self.keys.shape[2]
+        if slots <= size:
+            return
+        new_size = max(slots, 2 * size, 16)
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(*t.shape[:2], new_size, *t.shape[3:])
+            out[:, :, : self.used] = t[:, :, : self.used]
+            return out
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        self.meta = {name: grown(t) for name, t in self.meta.items()}
+
+    # -- the transformers contract ---------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending:
+            raise InfinikvError(
+                "this model's attention does not run through infinikv: call infinikv.attach(model) "
+                "(infinikv.load_model does it) before using an infinikv cache"
+            )
+        q = key_states.shape[2]
+        start, end = self.used, self.used + q
+        self.reserve(end)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        positions = (kwargs.get("kwargs") or {}).get("position_ids")
+        if positions is None:
+            positions = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
+        self.meta["position"][:, :, start:end] = positions.to(self.device).view(-1, 1, q)
+        self.meta["valid"][:, :, start:end] = True
+        for name in self.extra_meta():
+            self.meta[name][:, :, start:end] = 0
+        self.cumulative_length += q
+        self.pending = q
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Every stored slot is visible and the new tokens are causal among themselves.
+        return self.used + query_length, self.cumulative_length - self.used
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        super().reset()
+        self.used = self.pending = self.peak_bytes = 0
+        self.trace.clear()
+        if self.is_initialized:
+            for t in self.meta.values():
+                t.zero_()
+            self.real_seen.zero_()
+
+    # -- infinikv's side of each forward ---------------------------------------------------
+    def admit(self, new_valid: torch.Tensor | None) -> None:
+        """Mark which of the ``pending`` new tokens are real ``(b, q)``; None means all are."""
+        q = self.pending
+        if new_valid is None:
+            self.real_seen += q
+            return
+        self.meta["valid"][:, :, self.used : self.used + q] = new_valid.view(-1, 1, q)
+        self.real_seen += new_valid.sum(-1).to(self.real_seen.dtype).expand_as(self.real_seen)
+
+    def visibility(self) -> torch.Tensor | None:
+        """Which stored keys each new query sees ``(b, h, q, L)``, or None when it sees all of them.
+
+        Stored keys are visible when valid; the ``q`` new keys are causal among themselves, and a
+        new token always sees itself (so a padding query still has one key to attend to).
+        """
+        q, length = self.pending, self.used + self.pending
+        valid = self.meta["valid"][:, :, :length]
+        if q == 1 and bool(valid.all()):
+            return None
+        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+        visible = valid[:, :, None, :].expand(-1, -1, q, -1).clone()
+        visible[:, :, :, self.used :] &= causal
+        visible[:, :, :, self.used :] |= torch.eye(q, dtype=torch.bool, device=self.device)
+        return visible
+
+    def logit_bias(self) -> torch.Tensor | None:
+        """An additive bias per stored slot ``(b, h, L)`` (e.g. log-weights of merged slots)."""
+        return None
+
+    def observe(self, probs: torch.Tensor) -> None:
+        """Attention received by each slot in this forward, summed over queries ``(b, h, L)``."""
+
+    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
+        """Keep-priority of the first ``length`` slots ``(b, h, L)``: the highest are kept."""
+        raise NotImplementedError
+
+    def commit(self, attended: float) -> None:
+        """Close this forward: log it, then evict down to the budget."""
+        length = self.used + self.pending
+        self.trace.append((self.pending, self.cumulative_length, attended))
+        self.used, self.pending = length, 0
+        if self.budget is not None:
+            capacity = self.budget.capacity(self.real_seen)
+            valid = self.meta["valid"][:, :, :length]
+            if bool((valid.sum(-1) > capacity[:, None]).any()):
+                priority = self.priority(length, capacity).masked_fill(~valid, -math.inf)
+                rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+                self.compact(valid & (rank < capacity[:, None, None]))
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Drop the slots not in ``keep`` ``(b, h, L)`` by moving kept tail slots into holes.
+
+        Only the slots that move are copied (in place); rows keeping fewer tokens than the
+        longest row are left with invalid slots, which the attention mask hides.
+        """
+        length = keep.shape[-1]
+        kept = int(keep.sum(-1).max())
+        pairs = min(kept, length - kept)
+        self.meta["valid"][:, :, :length] &= keep
+        if pairs > 0:
+            head, tail = keep[:, :, :kept], keep[:, :, kept:]
+            holes = torch.sort(head.to(torch.uint8), dim=-1, stable=True).indices[..., :pairs]
+            movers = torch.sort((~tail).to(torch.uint8), dim=-1, stable=True).indices[..., :pairs] + kept
+            n_moves = tail.sum(-1, keepdim=True)
+            sources = torch.where(torch.arange(pairs, device=keep.device) < n_moves, movers, holes)
+            for t in self.slot_tensors():
+                src, dst = sources, holes
+                if t.dim() == 4:
+                    src = src[..., None].expand(-1, -1, -1, t.shape[-1])
+                    dst = dst[..., None].expand(-1, -1, -1, t.shape[-1])
+                t.scatter_(2, dst, t.gather(2, src))
+        self.used = kept
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V in the slots in use."""
+        if not self.is_initialized:
+            return 0
+        b, h, _, d = self.keys.shape
+        return self.used * b * h * (d + self.values.shape[-1]) * self.keys.element_size()
+
+
+class KVCache(Cache):
+    """The one object that carries KV state across layers: a ``Cache`` of ``KVLayer`` objects."""
+
+    def __init__(self, layers: list[KVLayer], policy: Policy) -> None:
+        super().__init__(layers=layers)
+        self.policy = policy
+
+    def held_bytes(self) -> int:
+        return sum(layer.held_bytes() for layer in self.layers)
+
+    def peak_bytes(self) -> int:
+        return sum(layer.peak_bytes for layer in self.layers)
+
+    def attended(self, decode_only: bool = True) -> tuple[list[float], list[float]]:
+        """Mean keys attended per forward, and that divided by the tokens seen, per layer."""
+        counts, fractions = [], []
+        for layer in self.layers:
+            rows = [(seen, n) for q, seen, n in layer.trace if q == 1 or not decode_only]
+            counts.append(sum(n for _, n in rows) / max(len(rows), 1))
+            fractions.append(sum(n / seen for seen, n in rows) / max(len(rows), 1))
+        return counts, fractions
+
+
+class Policy(ABC):
+    """A KV policy: its name, its budget and parameters, and how to build its layers.
+
+    Subclasses set ``name``, a docstring saying what they keep and why, their ``options``,
+    and implement ``make_layer``. ``bounded = False`` marks policies that take no budget.
+    """
+
+    name: ClassVar[str]
+    options: ClassVar[tuple[Option, ...]] = ()
+    bounded: ClassVar[bool] = True
+
+    def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
+        if self.bounded:
+            self.budget: Budget | None = Budget(budget, capacity)
+        else:
+            self.budget = None
+        known = {o.name: o for o in self.options}
+        unknown = set(params) - set(known)
+        if unknown:
+            raise InfinikvError(f"policy {self.name!r} has no parameter {sorted(unknown)[0]!r}")
+        self.params = {name: o.parse(params.get(name, o.default)) for name, o in known.items()}
+
+    @abstractmethod
+    def make_layer(self, layer_idx: int) -> KVLayer: ...
+
+    def make_cache(self, model: torch.nn.Module) -> KVCache:
+        """A fresh cache for one generation (or one batch) with ``model``."""
+        return KVCache([self.make_layer(i) for i in range(model.config.num_hidden_layers)], self)
+
+    def describe(self) -> dict[str, Any]:
+        budget = self.budget
+        return {
+            "policy": self.name,
+            "budget": budget.fraction if budget else None,
+            "capacity": budget.tokens if budget else None,
+            **self.params,
+        }
+
+    def __repr__(self) -> str:
+        parts = ([f"budget={self.budget}"] if self.budget else []) + [f"{k}={v}" for k, v in self.params.items()]
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
