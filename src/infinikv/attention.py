@@ -111,7 +111,9 @@ def infinikv_attention(
 ) -> tuple[torch.Tensor, None]:
     """The attention function: returns (b, q, H, d) as transformers expects."""
     if kv_layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     kv_layer.admit(new_token_validity(attention_mask, query.shape[2], query.shape[0]))
     visible = kv_layer.visibility()

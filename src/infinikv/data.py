@@ -65,7 +65,9 @@ def _apt_download(packages: list[str], into: Path) -> None:
         done = subprocess.run(command, cwd=into, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise InfinikvError(f"apt-get download {' '.join(packages)} failed ({last}); give a local .txt file path instead")
+        raise InfinikvError(
+            f"apt-get download {' '.join(packages)} failed ({last}); give a local .txt file path instead"
+        )
     for deb in into.glob("*.deb"):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(into / "root")], check=True)
 

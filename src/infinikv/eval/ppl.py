@@ -57,7 +57,9 @@ def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress:
     }
 
 
-def run_grid(model, ids: torch.Tensor, policies: Iterable[Policy], context: int, out: Path | None, progress: bool = True):
+def run_grid(
+    model, ids: torch.Tensor, policies: Iterable[Policy], context: int, out: Path | None, progress: bool = True
+):
     """P-ctx for each policy in turn; each result is appended to ``out`` (JSON lines) as it lands."""
     results = []
     for policy in policies:

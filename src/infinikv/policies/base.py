@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -112,7 +112,9 @@ class KVLayer(CacheLayerMixin):
         self.meta = {
             "valid": torch.zeros(b, h, 0, dtype=torch.bool, device=self.device),
             "position": torch.zeros(b, h, 0, dtype=torch.long, device=self.device),
-            **{name: torch.zeros(b, h, 0, dtype=dtype, device=self.device) for name, dtype in self.extra_meta().items()},
+            **{
+                name: torch.zeros(b, h, 0, dtype=dtype, device=self.device) for name, dtype in self.extra_meta().items()
+            },
         }
         self.real_seen = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True

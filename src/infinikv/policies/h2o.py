@@ -38,7 +38,9 @@ class HeavyHitters(Policy):
 
     name = "h2o"
     options = (
-        Option("recent_ratio", float, 0.5, "share of the budget kept for recent tokens, in [0, 1]", lambda r: 0 <= r <= 1),
+        Option(
+            "recent_ratio", float, 0.5, "share of the budget kept for recent tokens, in [0, 1]", lambda r: 0 <= r <= 1
+        ),
     )
 
     def make_layer(self, layer_idx: int) -> KVLayer:

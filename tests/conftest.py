@@ -1,0 +1,38 @@
+"""Shared fixtures: the real bundled model (fetched by `make test`), real text, a tiny random Llama."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from infinikv import attach, load_model
+from infinikv.data import load_text
+
+
+@pytest.fixture(scope="session")
+def real():
+    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct."""
+    torch.manual_seed(0)
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def emma_ids(real):
+    """The first 200 tokens of Emma, chapter 1 (1, 200)."""
+    _, tokenizer = real
+    return tokenizer(load_text("austen:emma", from_chapter_one=True)[:4000], return_tensors="pt").input_ids[:, :200]
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A 2-layer random Llama with grouped-query attention, for fast unit tests."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    return attach(LlamaForCausalLM(config).eval())

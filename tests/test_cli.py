@@ -1,0 +1,177 @@
+"""The command line, in process (fast) and once as a real subprocess (exit code, no traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from infinikv.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_streams_and_summarises(capsys):
+    code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "--max-new-tokens", "4")
+    assert code == 0 and out.startswith(" Paris")
+    assert "tokens in" in err and "KV held" in err
+
+
+def test_generate_json_batch_from_prompts_file(capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps("The capital of France is") + "\n" + json.dumps("One, two, three,") + "\n")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--prompts-file",
+        str(prompts),
+        "--max-new-tokens",
+        "3",
+        "--policy",
+        "h2o",
+        "--budget",
+        "0.5",
+        "--json",
+    )
+    result = json.loads(out)
+    assert code == 0 and len(result["texts"]) == 2 and result["policy"] == "h2o" and result["budget"] == 0.5
+    assert result["texts"][0].startswith(" Paris")
+
+
+def test_generate_prompt_file_keeps_newlines(capsys, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Line one.\nLine two.\n")
+    code, out, _ = run(capsys, "generate", "--prompt-file", str(prompt), "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"][0] >= 6
+
+
+def test_generate_chat_with_sampling(capsys):
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--prompt",
+        "Say hello.",
+        "--chat",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+        "--json",
+    )
+    assert code == 0 and json.loads(out)["new_tokens"] >= 1
+
+
+def test_eval_ppl_grid_json_and_partial_results(capsys, tmp_path):
+    out_file = tmp_path / "grid.jsonl"
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "ppl",
+        "--context",
+        "64",
+        "--continuation",
+        "16",
+        "--policies",
+        "full,sink,h2o",
+        "--budgets",
+        "0.25,0.5",
+        "--json",
+        "--out",
+        str(out_file),
+        "--quiet",
+    )
+    rows = json.loads(out)
+    assert code == 0 and [(r["policy"], r["budget"]) for r in rows] == [
+        ("full", None),
+        ("sink", 0.25),
+        ("sink", 0.5),
+        ("h2o", 0.25),
+        ("h2o", 0.5),
+    ]
+    for row in rows:
+        assert {"policy", "budget", "perplexity", "attended_fraction", "kv_bytes", "seconds"} <= set(row)
+        assert len(row["attended_tokens_per_layer"]) == 30
+    assert rows[0]["attended_fraction"] == 1.0 and rows[1]["attended_fraction"] < 0.3
+    assert len(out_file.read_text().splitlines()) == 5
+
+
+def test_eval_ppl_table(capsys):
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "ppl",
+        "--context",
+        "48",
+        "--continuation",
+        "8",
+        "--policies",
+        "full,sink",
+        "--budget",
+        "0.5",
+        "--quiet",
+    )
+    assert code == 0 and "vs full" in out and "sink" in out
+
+
+def test_models_and_data_listings(capsys):
+    code, out, _ = run(capsys, "models", "list", "--json")
+    assert code == 0 and json.loads(out)[0]["fetched"]
+    code, out, _ = run(capsys, "data", "list")
+    assert code == 0 and "austen:emma" in out and "tokens" in out
+    code, out, _ = run(capsys, "models", "fetch")  # already there: a fast no-op
+    assert code == 0 and "smollm2-135m" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--policy", "nope", "--budget", "0.5"], "unknown policy"),
+        (["generate", "--policy", "sink", "--budget", "0"], "budget"),
+        (["generate", "--policy", "sink", "--budget", "1.5"], "budget"),
+        (["generate", "--policy", "sink", "--capacity", "0"], "capacity"),
+        (["generate", "--policy", "sink"], "needs --budget"),
+        (["generate", "--prompt", "  "], "empty"),
+        (["generate", "--model", "/no/such/model", "--prompt", "hi"], "no model"),
+        (["generate", "--max-new-tokens", "x"], "invalid int"),
+        (["generate", "--sinks", "2", "--prompt", "hi"], "does not apply"),
+        (["eval", "ppl", "--text", "/no/such.txt"], "no text"),
+        (["eval", "ppl", "--text", "austen:nope"], "unknown text"),
+        (["eval", "ppl", "--context", "300000", "--text", "austen:persuasion"], "fewer than"),
+        (["eval", "ppl", "--budgets", "a,b", "--policies", "sink"], "comma-separated"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and err.startswith("infinikv: error:")
+
+
+def test_real_process_exit_code_without_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "infinikv.cli", "generate", "--model", str(tmp_path), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "not a model folder" in done.stderr
+
+
+def test_missing_bundled_model_from_the_cli(tmp_path):
+    env = {"INFINIKV_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "infinikv.cli", "generate", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2 and "infinikv models fetch" in done.stderr and "Traceback" not in done.stderr
