@@ -175,3 +175,123 @@ def test_missing_bundled_model_from_the_cli(tmp_path):
         env=env,
     )
     assert done.returncode == 2 and "infinikv models fetch" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_eval_needle(capsys):
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "needle",
+        "--context",
+        "400",
+        "--needles",
+        "2",
+        "--policies",
+        "full,bct",
+        "--budget",
+        "0.5",
+        "--json",
+        "--quiet",
+        "--out",
+        "/dev/null",
+    )
+    rows = json.loads(out)
+    assert code == 0 and [r["policy"] for r in rows] == ["full", "bct"]
+    assert rows[0]["accuracy"] == 1.0 and all(len(r["cases"]) == 2 for r in rows)
+    assert {"policy", "budget", "accuracy"} <= set(rows[1])
+
+
+def test_eval_stream_with_plot(capsys, tmp_path):
+    plot = tmp_path / "stream.png"
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "stream",
+        "--tokens",
+        "300",
+        "--chunk",
+        "32",
+        "--window",
+        "100",
+        "--policies",
+        "bct,full",
+        "--capacity",
+        "64",
+        "--plot",
+        str(plot),
+        "--quiet",
+        "--out",
+        str(tmp_path / "s.jsonl"),
+    )
+    assert code == 0 and plot.stat().st_size > 10_000
+    assert "bct:sink-recent" in out and "peak RSS" in out
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [len(r["windows"]) for r in rows] == [3, 3]
+    assert rows[0]["windows"][-1]["kv_bytes"] == 64 * 30 * 2 * 3 * 64 * 4  # bct holds exactly its capacity
+
+
+def test_bench_speed(capsys, tmp_path):
+    out_file = tmp_path / "speed.json"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "speed",
+        "--contexts",
+        "128,256",
+        "--steps",
+        "3",
+        "--policies",
+        "full,bct",
+        "--capacity",
+        "64",
+        "--json",
+        str(out_file),
+        "--quiet",
+    )
+    rows = json.loads(out_file.read_text())
+    assert code == 0 and [(r["context"], r["policy"]) for r in rows] == [
+        (128, "full"),
+        (128, "bct"),
+        (256, "full"),
+        (256, "bct"),
+    ]
+    for row in rows:
+        assert {"context", "policy", "ms_per_step", "ratio_to_full", "kv_bytes", "rss_bytes"} <= set(row)
+        assert row["ms_per_step"] > 0
+    assert rows[0]["ratio_to_full"] == 1.0 and "x full" in out
+
+
+def test_generate_uses_a_built_models_policy(capsys, tmp_path):
+    from infinikv.models import load_model, save_model
+
+    model, tokenizer = load_model("smollm2-135m", kv_capacity=16, update_rule="heavy-hitter")
+    save_model(model, tokenizer, tmp_path / "m")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tmp_path / "m"),
+        "--prompt",
+        "Once upon a time there was a",
+        "--max-new-tokens",
+        "20",
+        "--json",
+    )
+    result = json.loads(out)
+    assert code == 0 and result["policy"] == "bct" and result["capacity"] == 16
+    assert result["update_rule"] == "heavy-hitter" and result["kv_bytes"] == 16 * 30 * 2 * 3 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--policy", "bct", "--capacity", "8", "--update-rule", "lru"], "update-rule"),
+        (["generate", "--policy", "bct", "--kv-memory", "12 parsecs"], "is not a size"),
+        (["generate", "--policy", "bct", "--capacity", "100000", "--kv-memory", "1MiB", "--prompt", "hi"], "more than"),
+        (["eval", "stream", "--tokens", "1", "--policies", "full"], "--tokens"),
+        (["models", "build", "smollm2-135m", "--capacity", "0", "--out", "/tmp/x"], "capacity"),
+    ],
+)
+def test_bad_bct_input_from_the_cli(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .policies import policy_from_spec
 from .policies.base import KVCache, KVLayer
 
 NAME = "infinikv"
@@ -35,13 +36,14 @@ def weighted_attention(
     visible: torch.Tensor | None,
     bias: torch.Tensor | None,
     scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention that also returns the probability mass each key received.
 
     query (b, H, q, d), key/value (b, h, L, d), visible (b, h, q, L) or None, bias (b, h, L) or
-    None. Returns the output (b, H, q, d) and the probabilities summed over the q queries and
-    the H/h query heads of each KV head (b, h, L). Queries are processed in blocks so the
-    (q, L) weights of a long prefill never exist all at once.
+    None. Returns the output (b, H, q, d); the probabilities summed over the q queries and the
+    H/h query heads of each KV head (b, h, L); and those of the last query alone, summed over
+    the heads (b, h, L). Queries are processed in blocks so the (q, L) weights of a long
+    prefill never exist all at once.
     """
     qg = grouped(query, key.shape[1])
     outputs, mass = [], torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
@@ -54,8 +56,9 @@ def weighted_attention(
             logits = logits.masked_fill(~visible[:, :, None, start : start + QUERY_CHUNK], float("-inf"))
         probs = logits.float().softmax(-1)
         mass += probs.sum((2, 3))
+        last = probs[:, :, :, -1].sum(2)
         outputs.append(torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value))
-    return torch.cat(outputs, dim=3).flatten(1, 2), mass
+    return torch.cat(outputs, dim=3).flatten(1, 2), mass, last
 
 
 def sdpa(
@@ -119,8 +122,8 @@ def infinikv_attention(
     visible = kv_layer.visibility()
     bias = kv_layer.logit_bias()
     if kv_layer.observes_attention:
-        out, mass = weighted_attention(query, key, value, visible, bias, scaling)
-        kv_layer.observe(mass)
+        out, mass, last = weighted_attention(query, key, value, visible, bias, scaling)
+        kv_layer.observe(mass, last)
     else:
         out = sdpa(query, key, value, visible, bias, scaling)
     attended = key.shape[2] if visible is None else float(visible[:, :, -1].sum(-1).float().mean())
@@ -132,6 +135,20 @@ def _hand_over_cache_layer(module: torch.nn.Module, args: tuple, kwargs: dict) -
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, KVCache):
         kwargs["kv_layer"] = cache.layers[module.layer_idx]
+        cache.before_attention(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"))
+    return args, kwargs
+
+
+POLICY_CONFIG_KEY = "infinikv_policy"  # a model's default policy, saved in its config.json
+
+
+def _default_policy_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Swap the empty DynamicCache that ``generate`` made by default for the model's own policy."""
+    spec = getattr(model.config, POLICY_CONFIG_KEY, None)
+    cache = kwargs.get("cache")
+    if spec and type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False):
+        if cache.get_seq_length() == 0:
+            kwargs["cache"] = policy_from_spec(spec).make_cache(model)
     return args, kwargs
 
 
@@ -139,7 +156,9 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     """Route ``model``'s attention through infinikv so that infinikv caches work in it.
 
     Idempotent. Works for transformers models whose attention modules carry ``layer_idx``
-    and receive the cache as the ``cache`` keyword (Llama, Mistral, Qwen2, OPT, ...).
+    and receive the cache as the ``cache`` keyword (Llama, Mistral, Qwen2, OPT, ...). A model
+    whose config names a default policy (``config.infinikv_policy``) uses it in ``generate()``
+    whenever no cache is passed.
     """
     AttentionInterface.register(NAME, infinikv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
@@ -148,4 +167,6 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(module, "layer_idx") and module.__class__.__name__.endswith("Attention"):
             if _hand_over_cache_layer not in module._forward_pre_hooks.values():
                 module.register_forward_pre_hook(_hand_over_cache_layer, with_kwargs=True)
+    if _default_policy_cache not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_default_policy_cache, with_kwargs=True)
     return model

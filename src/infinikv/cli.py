@@ -12,7 +12,7 @@ from typing import Any
 from . import data, models
 from .errors import InfinikvError
 from .paths import home
-from .policies import REGISTRY, Policy, make_policy, policy_names
+from .policies import REGISTRY, Policy, make_policy, policy_from_spec, policy_names
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -50,10 +50,17 @@ def add_policy_arguments(parser: argparse.ArgumentParser, grid: bool = False) ->
             help="comma-separated budgets, fractions of the tokens seen in (0, 1]",
         )
     else:
-        group.add_argument("--policy", default="full", help=f"one of {', '.join(policy_names())} (default full)")
+        group.add_argument(
+            "--policy", default=None, help=f"one of {', '.join(policy_names())} (default: the model's own, else full)"
+        )
         group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
     group.add_argument("--capacity", type=int, default=None, help="tokens kept per layer (instead of --budget)")
     for option in _policy_options().values():
+        if option.type is bool:
+            group.add_argument(
+                option.flag, dest=option.name, action="store_const", const=True, default=None, help=option.help
+            )
+            continue
         group.add_argument(
             option.flag, dest=option.name, default=None, help=f"{option.help} (default {option.default})"
         )
@@ -160,17 +167,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str] | str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Sampling, generate
 
-    policy = build_policies(args, [args.policy], [args.budget])[0]
+    policy = build_policies(args, [args.policy], [args.budget])[0] if args.policy else None
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     prompts = _read_prompts(args)
-    if (
-        isinstance(prompts, str)
-        and not prompts.strip()
-        or isinstance(prompts, list)
-        and any(not p.strip() for p in prompts)
-    ):
+    if any(not p.strip() for p in ([prompts] if isinstance(prompts, str) else prompts)):
         raise InfinikvError("the prompt is empty")
     model, tokenizer = models.load_model(args.model)
+    if policy is None:
+        spec = models.default_policy_spec(model)
+        policy = policy_from_spec(spec) if spec else make_policy("full")
     stream = not args.json and isinstance(prompts, str)
 
     def show(_row: int, piece: str) -> None:
@@ -196,47 +201,178 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _table(rows: list[dict], reference: float | None) -> str:
-    lines = [f"{'policy':<10} {'budget':>8} {'ppl':>8} {'vs full':>8} {'attended':>9} {'KV held':>11} {'seconds':>8}"]
+    lines = [f"{'policy':<18} {'budget':>8} {'ppl':>8} {'vs full':>8} {'attended':>9} {'KV held':>11} {'seconds':>8}"]
     for r in rows:
-        budget = (
-            "-"
-            if r["budget"] is None and r["capacity"] is None
-            else (f"{r['budget']:g}" if r["budget"] else f"{r['capacity']}t")
-        )
         delta = f"{100 * (r['perplexity'] / reference - 1):+.1f}%" if reference else "-"
         lines.append(
-            f"{r['policy']:<10} {budget:>8} {r['perplexity']:>8.3f} {delta:>8} {100 * r['attended_fraction']:>8.1f}% "
-            f"{_mib(r['kv_bytes']):>11} {r['seconds']:>8.1f}"
+            f"{_policy_label(r):<18} {_budget_label(r):>8} {r['perplexity']:>8.3f} {delta:>8} "
+            f"{100 * r['attended_fraction']:>8.1f}% {_mib(r['kv_bytes']):>11} {r['seconds']:>8.1f}"
         )
     return "\n".join(lines)
 
 
-def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    from .eval.ppl import context_tokens, run_grid
-
+def _grid(args: argparse.Namespace) -> list[Policy]:
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    policies = build_policies(args, names, _floats(args.budgets, "--budgets"))
+    return build_policies(args, names, _floats(args.budgets, "--budgets"))
+
+
+def _results_file(args: argparse.Namespace, kind: str) -> Path:
+    out = Path(args.out) if args.out else home() / "results" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _run_cells(policies: list[Policy], run, out: Path, label: str, extra: dict) -> list[dict]:
+    """``run(policy)`` for each cell; each result is appended to ``out`` as soon as it lands."""
+    rows = []
+    for policy in policies:
+        result = {**run(policy), **extra}
+        rows.append(result)
+        with out.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(
+            f"  done: {_policy_label(result)} budget={_budget_label(result)} {label}={result[label]:.4g}",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def _budget_label(row: dict) -> str:
+    if row.get("budget"):
+        return f"{row['budget']:g}"
+    return f"{row['capacity']}t" if row.get("capacity") else "-"
+
+
+def _policy_label(row: dict) -> str:
+    return row["policy"] + (f":{row['update_rule']}" if row.get("update_rule") else "")
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from .eval.ppl import context_tokens, perplexity
+
+    policies = _grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
     ids = context_tokens(tokenizer, text, args.context, args.continuation)
-    out = Path(args.out) if args.out else home() / "results" / f"ppl-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(
-        f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens, {len(policies)} run(s); results -> {out}",
-        file=sys.stderr,
+    out = _results_file(args, "ppl")
+    print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens; results -> {out}", file=sys.stderr)
+    rows = _run_cells(
+        policies,
+        lambda p: perplexity(model, ids, p, args.context, not args.quiet),
+        out,
+        "perplexity",
+        {"text": args.text},
     )
-    rows = []
-    for result in run_grid(model, ids, policies, args.context, out, progress=not args.quiet):
-        result["text"] = args.text
-        rows.append(result)
-        if not args.json:
-            budget = result["budget"] or result["capacity"] or "-"
-            print(f"  done: {result['policy']} budget={budget} ppl={result['perplexity']:.3f}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        reference = next((r["perplexity"] for r in rows if r["policy"] == "full"), None)
-        print(_table(rows, reference))
+        print(_table(rows, next((r["perplexity"] for r in rows if r["policy"] == "full"), None)))
+    return 0
+
+
+def cmd_eval_needle(args: argparse.Namespace) -> int:
+    from .eval.needle import needle_accuracy, needle_cases
+
+    policies = _grid(args)
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = models.load_model(args.model)
+    cases = needle_cases(tokenizer, text, args.context, args.needles, args.seed)
+    out = _results_file(args, "needle")
+    print(
+        f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
+    )
+    rows = _run_cells(
+        policies,
+        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
+        out,
+        "accuracy",
+        {"text": args.text},
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'policy':<18} {'budget':>8} {'accuracy':>9}  depths hit")
+    for r in rows:
+        hits = " ".join(f"{c['depth']:.2f}" if c["hit"] else "  -  " for c in r["cases"])
+        print(f"{_policy_label(r):<18} {_budget_label(r):>8} {r['accuracy']:>9.2f}  {hits}")
+    return 0
+
+
+def cmd_eval_stream(args: argparse.Namespace) -> int:
+    from .eval.stream import plot, stream
+
+    policies = _grid(args)
+    if args.tokens < 2 or args.chunk < 1 or args.window < 1:
+        raise InfinikvError("--tokens must be at least 2, --chunk and --window at least 1")
+    text = data.load_text(args.text)
+    model, tokenizer = models.load_model(args.model)
+    ids = tokenizer(text[: args.tokens * 8], return_tensors="pt").input_ids[:, : args.tokens]
+    if ids.shape[1] < args.tokens:
+        raise InfinikvError(f"the text has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+    out = _results_file(args, "stream")
+    print(f"P-stream: {args.tokens} tokens of {args.text} in chunks of {args.chunk}; results -> {out}", file=sys.stderr)
+    rows = _run_cells(
+        policies,
+        lambda p: stream(model, ids, p, args.chunk, args.window, not args.quiet),
+        out,
+        "perplexity",
+        {"text": args.text},
+    )
+    if args.plot:
+        trained = getattr(model.config, "max_position_embeddings", None)
+        print(f"plot -> {plot(rows, Path(args.plot), trained)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'window':>13} " + " ".join(f"{_policy_label(r) + ' ' + _budget_label(r):>24}" for r in rows))
+    print(" " * 14 + " ".join(f"{'ppl':>9} {'RSS MiB':>8} {'KV MiB':>6}" for _ in rows))
+    for i, window in enumerate(rows[0]["windows"]):
+        cells = []
+        for r in rows:
+            w = r["windows"][i]
+            cells.append(f"{w['perplexity']:>9.2f} {w['rss_bytes'] / 2**20:>8.0f} {w['kv_bytes'] / 2**20:>6.1f}")
+        print(f"{window['start']:>6}-{window['end']:<6} " + " ".join(cells))
+    for r in rows:
+        print(
+            f"{_policy_label(r)}: ppl {r['perplexity']:.2f}, median window {r['median_window_perplexity']:.2f}, "
+            f"worst {r['worst_window_perplexity']:.2f}, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
+    return 0
+
+
+def cmd_bench_speed(args: argparse.Namespace) -> int:
+    from .bench.speed import bench_speed
+
+    policies = _grid(args)
+    contexts = [int(c) for c in _floats(args.contexts, "--contexts")]
+    if not contexts or min(contexts) < 1 or args.steps < 1:
+        raise InfinikvError("--contexts must be positive token counts and --steps at least 1")
+    text = data.load_text(args.text)
+    model, tokenizer = models.load_model(args.model)
+    need = max(contexts) + args.steps + 3
+    ids = tokenizer(text[: need * 8], return_tensors="pt").input_ids[:, :need]
+    if ids.shape[1] < need:
+        raise InfinikvError(f"{args.text} has fewer than the {need} tokens the longest context needs")
+    rows = []
+    for row in bench_speed(model, ids, policies, contexts, steps=args.steps, progress=not args.quiet):
+        rows.append(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+    columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("KV MiB", 8), ("RSS MiB", 8)
+    print(f"{'context':>8} {'policy':<18} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
+    for r in rows:
+        ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
+        print(
+            f"{r['context']:>8} {_policy_label(r):<18} {_budget_label(r):>8} {r['ms_per_step']:>9.1f} "
+            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['kv_bytes'] / 2**20:>8.1f} {r['rss_bytes'] / 2**20:>8.0f}"
+        )
+    return 0
+
+
+def cmd_models_build(args: argparse.Namespace) -> int:
+    model, tokenizer = models.load_model(args.name, kv_capacity=args.capacity, update_rule=args.update_rule)
+    out = models.save_model(model, tokenizer, Path(args.out))
+    print(f"{out}: generate() uses {models.default_policy_spec(model)}")
     return 0
 
 
@@ -273,6 +409,42 @@ def build_parser() -> Parser:
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_ppl)
 
+    p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%")
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--text", default="austen:prideprejudice", help="haystack text (default austen:prideprejudice)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--needles", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, budget)")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_eval_needle)
+
+    p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--text", default="austen:all")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=32, help="tokens fed per forward (default 32)")
+    p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
+    p.add_argument("--plot", help="write a PNG of perplexity and RSS over the stream")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_eval_stream)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=Parser)
+    p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--text", default="austen:all")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
+    p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")
+    p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_bench_speed)
+
     for name, fn, fetch_help in [
         ("models", cmd_models, "install and convert the bundled model"),
         ("data", cmd_data, "download the Austen novels and the Jargon File"),
@@ -284,6 +456,13 @@ def build_parser() -> Parser:
         f.add_argument("--force", action="store_true", help="fetch again even if present")
         if name == "models":
             f.add_argument("name", nargs="?", default=models.DEFAULT_MODEL)
+        if name == "models":
+            b = group.add_parser("build", help="save a model built with a fixed KV capacity (bct by default)")
+            b.add_argument("name", help="bundled name, HF folder or .gguf file")
+            b.add_argument("--capacity", type=int, required=True, help="KV tokens per layer")
+            b.add_argument("--update-rule", default=None, help="bct update rule (default sink-recent)")
+            b.add_argument("--out", required=True, help="folder to write")
+            b.set_defaults(func=cmd_models_build)
         lst = group.add_parser("list", help=f"list {name}")
         lst.add_argument("--json", action="store_true")
         for q in (f, lst):

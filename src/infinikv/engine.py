@@ -48,6 +48,7 @@ class Generation:
     kv_bytes: int  # peak KV bytes held by the cache
     attended_fraction: float  # mean over decode steps and layers of keys attended / tokens seen
     policy: dict = field(default_factory=dict)
+    transfers: dict = field(default_factory=dict)  # slow->fast traffic, for two-tier policies
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,6 +66,7 @@ class Generation:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "kv_bytes": self.kv_bytes,
             "attended_fraction": self.attended_fraction,
+            **self.transfers,
         }
 
 
@@ -200,4 +202,5 @@ def generate(
         kv_bytes=cache.peak_bytes(),
         attended_fraction=sum(fractions) / len(fractions) if steps > 1 else 1.0,
         policy=policy.describe(),
+        transfers=cache.transfer_summary() or {},
     )

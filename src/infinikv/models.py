@@ -82,7 +82,12 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # gguf/transformers raise many types for a bad file
         raise InfinikvError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
-    model.hf_quantizer = None  # the weights are dequantised: save them as plain tensors
+    return save_model(model, tokenizer, out)
+
+
+def save_model(model: torch.nn.Module, tokenizer, out: Path) -> Path:
+    """Save a loaded model as a plain HF folder at ``out``, atomically (a GGUF source included)."""
+    model.hf_quantizer = None  # GGUF weights are dequantised on load: save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,10 +132,19 @@ def resolve(model: str) -> tuple[Path, str | None]:
     )
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(
+    model: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    kv_capacity: int | None = None,
+    update_rule: str | None = None,
+):
     """Load ``(model, tokenizer)`` offline, with infinikv's attention attached.
 
     ``model`` is a bundled name (``smollm2-135m``), a local HF folder or a ``.gguf`` file.
+    With ``kv_capacity`` (tokens per layer) the model is built as a Bounded-Cache Transformer:
+    its ``generate()`` uses the ``bct`` policy (with ``update_rule``) unless given a cache, and
+    ``save_pretrained`` keeps both in its config. A folder saved that way restores them.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -149,8 +163,31 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, d
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    if kv_capacity is not None or update_rule is not None:
+        set_default_policy(lm, kv_capacity, update_rule)
     lm.to(device).eval()
     return attach(lm), tokenizer
+
+
+def set_default_policy(model: torch.nn.Module, kv_capacity: int | None, update_rule: str | None = None) -> None:
+    """Make ``bct`` with this capacity the model's own policy (kept in ``config.json``)."""
+    from .attention import POLICY_CONFIG_KEY
+    from .policies import make_policy
+
+    if kv_capacity is None:
+        raise InfinikvError("a bounded-cache model needs a capacity (--capacity TOKENS)")
+    params = {"update_rule": update_rule} if update_rule else {}
+    policy = make_policy("bct", capacity=kv_capacity, **params)
+    policy.resolve(model.config)
+    spec = {"policy": "bct", "capacity": kv_capacity, "update_rule": policy.params["update_rule"]}
+    setattr(model.config, POLICY_CONFIG_KEY, spec)
+
+
+def default_policy_spec(model: torch.nn.Module) -> dict | None:
+    """The policy a model was built with (``{"policy": "bct", ...}``), if any."""
+    from .attention import POLICY_CONFIG_KEY
+
+    return getattr(model.config, POLICY_CONFIG_KEY, None)
 
 
 def list_models() -> list[dict]:

@@ -51,6 +51,7 @@ def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress:
         "attended_tokens": sum(counts) / len(counts),
         "attended_tokens_per_layer": [round(c, 2) for c in counts],
         "kv_bytes": cache.peak_bytes(),
+        **(cache.transfer_summary() or {}),
         "context": context,
         "continuation": continuation,
         "seconds": round(time.perf_counter() - start, 3),

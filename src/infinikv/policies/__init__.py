@@ -29,8 +29,25 @@ def make_policy(name: str, budget: float | None = None, capacity: int | None = N
     return REGISTRY[name](budget=budget, capacity=capacity, **params)
 
 
+def policy_from_spec(spec: dict[str, Any]) -> Policy:
+    """A policy from its JSON form, as saved in a model's config: ``{"policy": "bct", ...}``."""
+    spec = dict(spec)
+    return make_policy(spec.pop("policy"), **spec)
+
+
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Budget", "KVCache", "KVLayer", "Option", "Policy", "REGISTRY", "make_policy", "policy_names", "register"]
+__all__ = [
+    "Budget",
+    "KVCache",
+    "KVLayer",
+    "Option",
+    "Policy",
+    "REGISTRY",
+    "make_policy",
+    "policy_from_spec",
+    "policy_names",
+    "register",
+]

@@ -7,7 +7,7 @@ Each forward of a layer goes through four calls, always in this order:
    return every stored slot plus the new ones (new tokens last);
 2. ``admit(new_valid)`` (called by infinikv's attention function): which new tokens are real,
    not left padding (only the attention mask knows);
-3. ``observe(probs)``: attention probabilities, for policies that score tokens
+3. ``observe(mass, last)``: attention probabilities, for policies that score tokens
    (``observes_attention = True``);
 4. ``commit()``: evict down to the budget, in place, by the policy's ``priority``.
 
@@ -92,9 +92,15 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     observes_attention: ClassVar[bool] = False
 
-    def __init__(self, budget: Budget | None = None) -> None:
+    def __init__(self, budget: Budget | None = None, fixed: bool = False) -> None:
         super().__init__()
         self.budget = budget
+        # fixed: the capacity is settled by the first chunk (``--budget`` x its length, or
+        # ``--capacity``) and the storage is allocated once for it, never to grow again.
+        self.fixed = fixed
+        self.fixed_capacity: int | None = None  # storage slots, less the spare one
+        self.row_capacity: torch.Tensor | None = None  # (b,) a fixed layer's capacity per sequence
+        self._storage: tuple | None = None  # the fixed storage while a large chunk is staged
         self.cumulative_length = 0  # tokens seen, padding included; reset() zeroes it
         self.used = 0  # slots holding a token, the same count in every row
         self.pending = 0  # newest slots written by update() and not yet committed
@@ -118,21 +124,40 @@ class KVLayer(CacheLayerMixin):
         }
         self.real_seen = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
+        if self.fixed:
+            budget = self.budget
+            q = key_states.shape[2]
+            self.fixed_capacity = budget.tokens if budget.tokens is not None else max(1, math.ceil(budget.fraction * q))
+            self._grow(self.fixed_capacity + 1)  # one spare slot: a decode step attends before it evicts
 
     def extra_meta(self) -> dict[str, torch.dtype]:
         """Per-slot state a policy adds (name -> dtype); moved along with its slot on eviction."""
         return {}
 
+    def initial_meta(self, name: str) -> float:
+        """The value a new token's slot starts with in the extra state ``name``."""
+        return 0
+
     def slot_tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values, *self.meta.values()]
 
     def reserve(self, slots: int) -> None:
-        """Make room for ``slots`` slots, growing geometrically so appends are amortised O(1)."""
+        """Make room for ``slots`` slots.
+
+        Growing layers grow geometrically (appends amortised O(1)). A fixed layer never grows:
+        a chunk larger than its spare room is staged in temporary tensors, and ``commit``
+        writes the survivors back into the fixed storage.
+        """
         size = self.keys.shape[2]
         if slots <= size:
             return
-        new_size = max(slots, 2 * size, 16)
+        if self.fixed:
+            self._storage = (self.keys, self.values, self.meta)
+            self._grow(slots)
+        else:
+            self._grow(max(slots, 2 * size, 16))
 
+    def _grow(self, new_size: int) -> None:
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = t.new_zeros(*t.shape[:2], new_size, *t.shape[3:])
             out[:, :, : self.used] = t[:, :, : self.used]
@@ -140,6 +165,15 @@ class KVLayer(CacheLayerMixin):
 
         self.keys, self.values = grown(self.keys), grown(self.values)
         self.meta = {name: grown(t) for name, t in self.meta.items()}
+
+    def _unstage(self) -> None:
+        """Copy the surviving slots of a staged chunk back into the fixed storage."""
+        keys, values, meta = self._storage
+        keys[:, :, : self.used] = self.keys[:, :, : self.used]
+        values[:, :, : self.used] = self.values[:, :, : self.used]
+        for name, t in meta.items():
+            t[:, :, : self.used] = self.meta[name][:, :, : self.used]
+        self.keys, self.values, self.meta, self._storage = keys, values, meta, None
 
     # -- the transformers contract ---------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -161,7 +195,7 @@ class KVLayer(CacheLayerMixin):
         self.meta["position"][:, :, start:end] = positions.to(self.device).view(-1, 1, q)
         self.meta["valid"][:, :, start:end] = True
         for name in self.extra_meta():
-            self.meta[name][:, :, start:end] = 0
+            self.meta[name][:, :, start:end] = self.initial_meta(name)
         self.cumulative_length += q
         self.pending = q
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -179,6 +213,7 @@ class KVLayer(CacheLayerMixin):
     def reset(self) -> None:
         super().reset()
         self.used = self.pending = self.peak_bytes = 0
+        self.row_capacity = None
         self.trace.clear()
         if self.is_initialized:
             for t in self.meta.values():
@@ -211,16 +246,29 @@ class KVLayer(CacheLayerMixin):
         visible[:, :, :, self.used :] |= torch.eye(q, dtype=torch.bool, device=self.device)
         return visible
 
+    def speculate(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Called as the *previous* layer's attention starts, with its input ``x`` (b, q, D) and
+        the RoPE ``(cos, sin)``: a layer that fetches ahead (InfiniGen) starts its fetch here."""
+
     def logit_bias(self) -> torch.Tensor | None:
         """An additive bias per stored slot ``(b, h, L)`` (e.g. log-weights of merged slots)."""
         return None
 
-    def observe(self, probs: torch.Tensor) -> None:
-        """Attention received by each slot in this forward, summed over queries ``(b, h, L)``."""
+    def observe(self, mass: torch.Tensor, last: torch.Tensor) -> None:
+        """Attention received by each slot ``(b, h, L)``: ``mass`` summed over this forward's
+        queries and the KV head's query heads; ``last`` from the newest query only."""
 
     def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
         """Keep-priority of the first ``length`` slots ``(b, h, L)``: the highest are kept."""
         raise NotImplementedError
+
+    def capacity(self) -> torch.Tensor:
+        """Tokens each sequence may keep now ``(b,)``."""
+        if not self.fixed:
+            return self.budget.capacity(self.real_seen)
+        if self.row_capacity is None:  # settled once, by the real tokens of the first chunk
+            self.row_capacity = self.budget.capacity(self.real_seen)
+        return self.row_capacity
 
     def commit(self, attended: float) -> None:
         """Close this forward: log it, then evict down to the budget."""
@@ -228,13 +276,19 @@ class KVLayer(CacheLayerMixin):
         self.trace.append((self.pending, self.cumulative_length, attended))
         self.used, self.pending = length, 0
         if self.budget is not None:
-            capacity = self.budget.capacity(self.real_seen)
+            capacity = self.capacity()
             valid = self.meta["valid"][:, :, :length]
             if bool((valid.sum(-1) > capacity[:, None]).any()):
                 priority = self.priority(length, capacity).masked_fill(~valid, -math.inf)
                 rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-                self.compact(valid & (rank < capacity[:, None, None]))
+                self.evict(valid & (rank < capacity[:, None, None]))
+        if self._storage is not None:
+            self._unstage()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def evict(self, keep: torch.Tensor) -> None:
+        """Drop every valid slot outside ``keep`` ``(b, h, L)``."""
+        self.compact(keep)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Drop the slots not in ``keep`` ``(b, h, L)`` by moving kept tail slots into holes.
@@ -262,10 +316,17 @@ class KVLayer(CacheLayerMixin):
 
     def held_bytes(self) -> int:
         """Bytes of K/V in the slots in use."""
+        return self.used * self.bytes_per_slot()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of K/V storage allocated (slots in use plus room to grow)."""
+        return self.keys.shape[2] * self.bytes_per_slot() if self.is_initialized else 0
+
+    def bytes_per_slot(self) -> int:
         if not self.is_initialized:
             return 0
         b, h, _, d = self.keys.shape
-        return self.used * b * h * (d + self.values.shape[-1]) * self.keys.element_size()
+        return b * h * (d + self.values.shape[-1]) * self.keys.element_size()
 
 
 class KVCache(Cache):
@@ -275,8 +336,30 @@ class KVCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
 
+    def before_attention(self, layer_idx: int, x: torch.Tensor, position_embeddings: Any) -> None:
+        """Layer ``layer_idx``'s attention is about to run on ``x``: let the next layer prepare."""
+        if layer_idx + 1 < len(self.layers):
+            self.layers[layer_idx + 1].speculate(x, position_embeddings)
+
+    def transfer_summary(self) -> dict[str, float] | None:
+        """Slow->fast traffic per decode step, for policies with two tiers (else None)."""
+        logs = [layer.transfers for layer in self.layers if getattr(layer, "transfers", None)]
+        if not logs:
+            return None
+        steps = max(len(log) for log in logs)
+        fetched = [tokens / seen for log in logs for seen, tokens, _ in log]
+        moved = sum(nbytes for log in logs for _, _, nbytes in log)
+        return {
+            "fetched_fraction": sum(fetched) / len(fetched),
+            "tokens_fetched_per_step": sum(t for log in logs for _, t, _ in log) / steps,
+            "bytes_moved_per_step": moved / steps,
+        }
+
     def held_bytes(self) -> int:
         return sum(layer.held_bytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes() for layer in self.layers)
 
     def peak_bytes(self) -> int:
         return sum(layer.peak_bytes for layer in self.layers)
@@ -303,15 +386,16 @@ class Policy(ABC):
     bounded: ClassVar[bool] = True
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
-        if self.bounded:
-            self.budget: Budget | None = Budget(budget, capacity)
-        else:
-            self.budget = None
         known = {o.name: o for o in self.options}
         unknown = set(params) - set(known)
         if unknown:
             raise InfinikvError(f"policy {self.name!r} has no parameter {sorted(unknown)[0]!r}")
         self.params = {name: o.parse(params.get(name, o.default)) for name, o in known.items()}
+        self.budget = self.make_budget(budget, capacity)
+
+    def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
+        """The budget from ``--budget``/``--capacity``; unbounded policies ignore both."""
+        return Budget(budget, capacity) if self.bounded else None
 
     @abstractmethod
     def make_layer(self, layer_idx: int) -> KVLayer: ...

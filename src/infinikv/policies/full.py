@@ -11,8 +11,5 @@ class Full(Policy):
     name = "full"
     bounded = False
 
-    def __init__(self, budget: float | None = None, capacity: int | None = None, **params) -> None:
-        super().__init__(**params)  # a budget means nothing here: everything is kept
-
     def make_layer(self, layer_idx: int) -> KVLayer:
         return KVLayer(budget=None)

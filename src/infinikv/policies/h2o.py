@@ -14,15 +14,15 @@ from .base import KVLayer, Option, Policy
 class HeavyHitterLayer(KVLayer):
     observes_attention = True
 
-    def __init__(self, budget, recent_ratio: float) -> None:
-        super().__init__(budget)
+    def __init__(self, budget, recent_ratio: float, **kwargs) -> None:
+        super().__init__(budget, **kwargs)
         self.recent_ratio = recent_ratio
 
     def extra_meta(self) -> dict[str, torch.dtype]:
         return {"score": torch.float32}
 
-    def observe(self, probs: torch.Tensor) -> None:
-        self.meta["score"][:, :, : probs.shape[-1]] += probs.float()
+    def observe(self, mass: torch.Tensor, last: torch.Tensor) -> None:
+        self.meta["score"][:, :, : mass.shape[-1]] += mass
 
     def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
         recent = torch.ceil(capacity * self.recent_ratio).long()  # (b,)

@@ -11,8 +11,8 @@ from .base import KVLayer, Option, Policy
 
 
 class SinkLayer(KVLayer):
-    def __init__(self, budget, sinks: int) -> None:
-        super().__init__(budget)
+    def __init__(self, budget, sinks: int, **kwargs) -> None:
+        super().__init__(budget, **kwargs)
         self.sinks = sinks
 
     def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""P-needle (passkey retrieval): a 5-digit pass key hidden at depths 10..90% of a haystack of
+real text, then a question; exact-match accuracy of the greedy answer."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tqdm import tqdm
+
+from ..errors import InfinikvError
+from ..policies import Policy
+
+INTRO = (
+    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.\n\n"
+)
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def needle_cases(
+    tokenizer, haystack: str, context: int, needles: int, seed: int = 0
+) -> list[tuple[torch.Tensor, str, float]]:
+    """``needles`` prompts of ``context`` tokens: ``(ids (1, context), pass key, depth)``.
+
+    Depths are evenly spaced from 10% to 90% of the haystack part.
+    """
+    if needles < 1:
+        raise InfinikvError("--needles must be at least 1")
+    rng = random.Random(seed)
+    intro, question = tokenizer(INTRO).input_ids, tokenizer(QUESTION, add_special_tokens=False).input_ids
+    hay = tokenizer(haystack).input_ids
+    cases = []
+    for i in range(needles):
+        depth = 0.1 + 0.8 * i / max(needles - 1, 1)
+        key = str(rng.randint(10000, 99999))
+        needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
+        fill = context - len(intro) - len(needle) - len(question)
+        if fill < 1 or len(hay) < fill:
+            raise InfinikvError(
+                f"--context {context} does not fit the haystack text ({len(hay)} tokens) and the pass key"
+            )
+        at = int(depth * fill)
+        ids = intro + hay[:at] + needle + hay[at:fill] + question
+        cases.append((torch.tensor([ids]), key, round(depth, 3)))
+    return cases
+
+
+@torch.inference_mode()
+def answer(model, ids: torch.Tensor, policy: Policy, new_tokens: int = 8) -> list[int]:
+    """Greedy continuation of ``ids`` (1, n) under ``policy``."""
+    cache = policy.make_cache(model)
+    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    out = []
+    for _ in range(new_tokens):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(token))
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits
+    return out
+
+
+def needle_accuracy(model, tokenizer, cases, policy: Policy, progress: bool = True) -> dict:
+    """Exact-match accuracy of ``policy`` over ``cases``, with each case's answer."""
+    rows = []
+    for ids, key, depth in tqdm(cases, desc=f"{policy}", disable=not progress, leave=False):
+        text = tokenizer.decode(answer(model, ids, policy), skip_special_tokens=True)
+        rows.append({"depth": depth, "key": key, "answer": text.strip(), "hit": key in text})
+    return {
+        **policy.describe(),
+        "accuracy": sum(r["hit"] for r in rows) / len(rows),
+        "context": int(cases[0][0].shape[1]),
+        "needles": len(rows),
+        "cases": rows,
+    }

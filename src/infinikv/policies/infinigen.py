@@ -1,0 +1,219 @@
+"""``infinigen``: InfiniGen (Lee et al., "InfiniGen: Efficient Generative Inference of Large
+Language Models with Dynamic KV Cache Management", OSDI 2024). Every token's K/V stays in the
+slow tier; one layer ahead, a cheap rehearsal with the previous layer's attention input, a
+partial query weight and a partial key cache guesses which few tokens each KV head will attend
+to, and only those are fetched. Nothing is ever dropped, so a token ignored now can be fetched
+again later. The first ``dense_layers`` layers and the prefill attend to everything.
+
+For RoPE models the partial columns are whole rotary pairs, chosen per KV head offline
+(``infinikv prepare``), so the partial dot product is exact for the kept pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InfinikvError
+from ..speculation import column_scores, pair_scores, pairs_to_columns, partial_query, select_tokens, speculative_scores
+from ..tiers import TieredLayer
+from . import register
+from .base import KVCache, KVLayer, Option, Policy
+
+PREP_FILE = "infinikv-infinigen.json"
+DEFAULT_CALIBRATION = "austen:persuasion"
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Each attention module of ``model`` by its layer index."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}
+
+
+def is_rotary(model: torch.nn.Module) -> bool:
+    return hasattr(model.base_model, "rotary_emb")
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = True) -> dict[str, Any]:
+    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry.
+
+    Runs ``ids`` (1, n) through the model once, capturing every layer's post-RoPE queries and
+    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...}``.
+    """
+    from tqdm import tqdm
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    modules = attention_modules(model)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    bar = tqdm(total=len(modules), desc="calibrating", disable=not progress, leave=False)
+
+    def capture(module, args, kwargs):
+        x = kwargs["hidden_states"]
+        q = module.q_proj(x).view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+        k = module.k_proj(x).view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+        if kwargs.get("position_embeddings") is not None:
+            q, k = apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
+        captured[module.layer_idx] = (q[0].transpose(0, 1), k[0].transpose(0, 1))  # (n, H, d), (n, h, d)
+        bar.update(1)
+
+    hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        bar.close()
+    pair_ranking, column_ranking = [], []
+    for index in sorted(captured):
+        q, k = captured[index]
+        pair_ranking.append(pair_scores(q, k).argsort(-1, descending=True).tolist())
+        column_ranking.append(column_scores(q, k).argsort(-1, descending=True).tolist())
+    return {"pair_ranking": pair_ranking, "column_ranking": column_ranking, "tokens": int(ids.shape[1])}
+
+
+def prepare(
+    model: torch.nn.Module, tokenizer, calibration: str = DEFAULT_CALIBRATION, tokens: int = 2048, progress: bool = True
+) -> Path:
+    """Calibrate on ``tokens`` tokens of a text and save the result next to the model."""
+    from ..data import load_text
+
+    folder = Path(model.name_or_path)
+    if not folder.is_dir():
+        raise InfinikvError(f"infinigen preparation is saved next to the model, but {folder} is not a folder")
+    ids = tokenizer(load_text(calibration, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
+    prep = calibrate(model, ids[:, :tokens].to(next(model.parameters()).device), progress)
+    prep["calibration"] = calibration
+    (folder / PREP_FILE).write_text(json.dumps(prep))
+    return folder / PREP_FILE
+
+
+def load_prep(model: torch.nn.Module) -> dict[str, Any]:
+    """The saved preparation of ``model``; prepared (once, with a progress bar) when missing."""
+    path = Path(model.name_or_path) / PREP_FILE
+    if not path.is_file():
+        from transformers import AutoTokenizer
+
+        print(f"infinigen: preparing {model.name_or_path} on {DEFAULT_CALIBRATION} (once) ...", file=sys.stderr)
+        prepare(model, AutoTokenizer.from_pretrained(model.name_or_path), DEFAULT_CALIBRATION)
+    return json.loads(path.read_text())
+
+
+class InfiniGenLayer(TieredLayer):
+    """A sparse layer: partial keys in the fast tier, speculated rows fetched each decode step."""
+
+    def __init__(
+        self,
+        columns: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rotary: bool,
+        alpha: float,
+        max_fetch: float,
+        scaling: float,
+        overlap: bool,
+    ) -> None:
+        super().__init__(overlap)
+        self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
+        self.alpha, self.max_fetch, self.scaling = alpha, max_fetch, scaling
+        self.partial_keys: torch.Tensor | None = None  # (b, h, S, c), preallocated and grown
+
+    def store_extra(self, key_states: torch.Tensor) -> None:
+        b, h, q, _ = key_states.shape
+        end = self.used + q
+        if self.partial_keys is None or end > self.partial_keys.shape[2]:
+            size = max(end, 2 * (0 if self.partial_keys is None else self.partial_keys.shape[2]), 64)
+            grown = key_states.new_zeros(b, h, size, self.columns.shape[-1])
+            if self.partial_keys is not None:
+                grown[:, :, : self.used] = self.partial_keys[:, :, : self.used]
+            self.partial_keys = grown
+        index = self.columns[None, :, None, :].expand(b, -1, q, -1)
+        self.partial_keys[:, :, self.used : end] = key_states.gather(-1, index)
+
+    def choose_rows(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary:
+            cos, sin = cos[:, :, self.columns], sin[:, :, self.columns]  # (b, q, h, c)
+        else:
+            cos = sin = None
+        pq = partial_query(x, self.weight, self.bias, cos, sin)
+        scores = speculative_scores(pq, self.partial_keys[:, :, : self.used], self.scaling)[:, :, :, -1]
+        scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
+        return select_tokens(scores, self.alpha, max(1, math.ceil(self.max_fetch * self.used)))
+
+
+@register
+class InfiniGen(Policy):
+    """Speculative fetching of the few tokens each layer needs, from a slow tier holding them all."""
+
+    name = "infinigen"
+    bounded = False
+    options = (
+        Option("alpha", float, 4.0, "fetch tokens with logit > max - alpha, >= 0 (inf: all)", lambda a: a >= 0),
+        Option(
+            "partial_ratio",
+            float,
+            0.3,
+            "share of each head's dims in the partial weights, in (0, 1]",
+            lambda r: 0 < r <= 1,
+        ),
+        Option(
+            "max_fetch", float, 0.2, "cap on tokens fetched, as a share of tokens seen, in (0, 1]", lambda r: 0 < r <= 1
+        ),
+        Option("dense_layers", int, 2, "first layers that always use their full cache, >= 0", lambda n: n >= 0),
+        Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),
+    )
+
+    def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
+        super().__init__(budget, capacity, **params)
+        self.prep: dict[str, Any] | None = None  # set to skip loading it from the model folder
+
+    def make_layer(self, layer_idx: int) -> KVLayer:
+        raise InfinikvError("infinigen layers need the model: use make_cache(model)")
+
+    def make_cache(self, model: torch.nn.Module) -> KVCache:
+        prep = self.prep or load_prep(model)
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        rotary = is_rotary(model)
+        overlap = not self.params["no_overlap"]
+        layers: list[KVLayer] = []
+        for index, module in sorted(attention_modules(model).items()):
+            if index < self.params["dense_layers"]:
+                layers.append(KVLayer())
+                continue
+            if rotary:
+                pairs = max(1, round(self.params["partial_ratio"] * head_dim / 2))
+                ranking = torch.tensor(prep["pair_ranking"][index])[:, :pairs]
+                columns = pairs_to_columns(ranking, head_dim)
+            else:
+                keep = max(1, round(self.params["partial_ratio"] * head_dim))
+                columns = torch.tensor(prep["column_ranking"][index])[:, :keep]
+            columns = columns.to(module.q_proj.weight.device)
+            weight = module.q_proj.weight.detach().view(n_kv, -1, head_dim, config.hidden_size)
+            weight = weight.gather(2, columns[:, None, :, None].expand(-1, weight.shape[1], -1, weight.shape[-1]))
+            bias = None
+            if module.q_proj.bias is not None:
+                bias = module.q_proj.bias.detach().view(n_kv, -1, head_dim)
+                bias = bias.gather(2, columns[:, None, :].expand(-1, bias.shape[1], -1))
+            layers.append(
+                InfiniGenLayer(
+                    columns,
+                    weight.contiguous(),
+                    bias,
+                    rotary,
+                    self.params["alpha"],
+                    self.params["max_fetch"],
+                    module.scaling,
+                    overlap,
+                )
+            )
+        return KVCache(layers, self)

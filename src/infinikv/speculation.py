@@ -1,0 +1,97 @@
+"""InfiniGen's speculation as pure tensor functions (shapes in the paper's letters: b batch,
+h KV heads, g query heads per KV head, n tokens, d head dim, D model dim, c kept columns).
+
+With RoPE a rotation that mixes dimensions does not commute with the position rotation, so
+exact skewing is impossible; instead whole *rotary pairs* are kept: RoPE rotates dims
+``j`` and ``j + d/2`` together, so a partial dot product over whole pairs is exact for those
+pairs whatever the positions. Without RoPE (OPT style) the projections can be skewed exactly
+(``skew_matrices``) and any columns kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pair_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """How much each rotary pair carries of q.k, per KV head.
+
+    q (n, H, d) and k (n, h, d), post-RoPE. Returns (h, d/2): the mean pair norm of the group's
+    queries (summed over its g heads) times the mean pair norm of the keys.
+    """
+    half = q.shape[-1] // 2
+    q_norm = (q[..., :half] ** 2 + q[..., half:] ** 2).sqrt().mean(0)  # (H, d/2)
+    k_norm = (k[..., :half] ** 2 + k[..., half:] ** 2).sqrt().mean(0)  # (h, d/2)
+    h = k.shape[1]
+    return q_norm.view(h, -1, half).sum(1) * k_norm
+
+
+def column_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The reference code's per-column score, summed over a KV head's group: mean |q| + |k|.
+
+    q (n, H, d), k (n, h, d) -> (h, d).
+    """
+    h = k.shape[1]
+    return q.abs().mean(0).view(h, -1, q.shape[-1]).sum(1) + k.abs().mean(0)
+
+
+def pairs_to_columns(pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotary pairs (h, r) -> the 2r columns they occupy (h, 2r), first halves then second."""
+    return torch.cat([pairs, pairs + head_dim // 2], dim=-1)
+
+
+def partial_query(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> torch.Tensor:
+    """The kept columns of each query head, from the partial query weight.
+
+    x (b, q, D) the attention input; weight (h, g, c, D) the kept rows of W_q; bias (h, g, c) or
+    None; cos/sin (b, q, h, c) at the kept columns (RoPE models, columns laid out as whole pairs
+    [first halves | second halves]) or None. Returns (b, h, g, q, c).
+    """
+    pq = torch.einsum("bqD,hgcD->bhgqc", x, weight)
+    if bias is not None:
+        pq = pq + bias[None, :, :, None, :]
+    if cos is None:
+        return pq
+    first, second = pq.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)  # rotate_half on the kept pairs
+    cos, sin = cos.permute(0, 2, 1, 3)[:, :, None], sin.permute(0, 2, 1, 3)[:, :, None]
+    return pq * cos + rotated * sin
+
+
+def speculative_scores(pq: torch.Tensor, partial_keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Approximate attention logits: pq (b, h, g, q, c) x partial keys (b, h, n, c) -> (b, h, g, q, n)."""
+    return torch.einsum("bhgqc,bhnc->bhgqn", pq, partial_keys) * scaling
+
+
+def select_tokens(scores: torch.Tensor, alpha: float, max_fetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens to fetch per KV head, from speculative logits of the newest query.
+
+    scores (b, h, g, n), -inf where a token must not be fetched. A query head wants the tokens
+    whose logit is above its max - alpha (softmax weight >= e^-alpha of the largest); a
+    sequence fetches the mean of that count over its heads, capped at ``max_fetch``; each KV
+    head then takes its top tokens by the largest logit any of its g query heads gives them.
+    Returns ``(rows, fetch)``, both (b, h, k) with k the largest count in the batch, sorted by
+    slot: ``fetch`` is False where a sequence needs fewer than k tokens.
+    """
+    n = scores.shape[-1]
+    wanted = (scores > scores.amax(-1, keepdim=True) - alpha) & (scores > -math.inf)
+    counts = wanted.sum(-1).float().mean((1, 2)).ceil().long().clamp(1, min(max_fetch, n))  # (b,)
+    combined = scores.amax(2)
+    top = combined.topk(int(counts.max()), dim=-1)
+    fetch = torch.arange(top.indices.shape[-1], device=scores.device) < counts[:, None, None]
+    fetch &= top.values > -math.inf
+    rows, order = top.indices.sort(-1)
+    return rows, fetch.gather(-1, order)
+
+
+def skew_matrices(q: torch.Tensor) -> torch.Tensor:
+    """Per-head orthogonal A (H, d, d) from the SVD of each head's queries q (n, H, d).
+
+    Folding A into W_q and W_k (W <- A^T W per head) leaves q.k unchanged while concentrating
+    the query's energy in the first columns (q A ~ U S).
+    """
+    return torch.linalg.svd(q.transpose(0, 1).double(), full_matrices=False).Vh.transpose(-1, -2).to(q.dtype)
