@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +12,21 @@ from infinikv import make_policy, policy_names
 from infinikv.errors import InfinikvError
 from infinikv.policies import REGISTRY
 from infinikv.policies.base import KVLayer
+from infinikv.policies.infinigen import calibrate
 
 ALL = policy_names()
 BOUNDED = [name for name in ALL if REGISTRY[name].bounded]
 
 
-def whole(name: str):
-    """The policy with a capacity that covers every token of these tests."""
-    return make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name)
+EXACT = {"infinigen": dict(alpha=math.inf, max_fetch=1.0)}  # speculation that fetches everything
+
+
+def whole(name: str, model=None):
+    """The policy keeping (or fetching) every token of these tests: it must match ``full``."""
+    policy = make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name, **EXACT.get(name, {}))
+    if name == "infinigen" and model is not None and not Path(model.name_or_path).is_dir():
+        policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
+    return policy
 
 
 def forward_loop(model, ids, cache, prefill: int, chunk: int = 0):
@@ -180,7 +188,7 @@ def test_batched_greedy_equals_each_prompt_alone(real, name):
     model, tokenizer = real
     prompts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived an old"]
     policy = make_policy(name, budget=0.5) if REGISTRY[name].bounded else make_policy(name)
-    sampling = Sampling(max_new_tokens=20)
+    sampling = Sampling(max_new_tokens=20)  # infinigen at its defaults: each sequence speculates for itself
     batched = generate(model, tokenizer, prompts, policy, sampling)
     alone = [generate(model, tokenizer, p, policy, sampling).token_ids[0] for p in prompts]
     assert batched.token_ids == alone
@@ -224,6 +232,6 @@ def test_tiny_model_prefill_then_chunks(tiny, name):
     """Mixed chunk sizes on a GQA model: same logits as full when nothing is evicted."""
     ids = torch.randint(0, 128, (2, 40))
     reference = forward_loop(tiny, ids, make_policy("full").make_cache(tiny), 20, chunk=7)
-    ours = forward_loop(tiny, ids, whole(name).make_cache(tiny), 20, chunk=7)
+    ours = forward_loop(tiny, ids, whole(name, tiny).make_cache(tiny), 20, chunk=7)
     assert (ours - reference).abs().max() < 1e-5
     assert math.isfinite(float(ours.abs().max()))

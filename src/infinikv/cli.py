@@ -254,6 +254,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
     ids = context_tokens(tokenizer, text, args.context, args.continuation)
+    _check_calibration(policies, model, args.text)
     out = _results_file(args, "ppl")
     print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens; results -> {out}", file=sys.stderr)
     rows = _run_cells(
@@ -277,6 +278,7 @@ def cmd_eval_needle(args: argparse.Namespace) -> int:
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
     cases = needle_cases(tokenizer, text, args.context, args.needles, args.seed)
+    _check_calibration(policies, model, args.text)
     out = _results_file(args, "needle")
     print(
         f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
@@ -369,6 +371,65 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .policies.infinigen import prepare
+
+    model, tokenizer = models.load_model(args.model)
+    path = prepare(model, tokenizer, args.calibration, args.tokens, progress=not args.quiet)
+    print(path)
+    return 0
+
+
+def cmd_eval_recall(args: argparse.Namespace) -> int:
+    from .eval.ppl import context_tokens
+    from .eval.recall import speculation_recall
+    from .policies.infinigen import load_prep
+
+    make_policy("infinigen", alpha=args.alpha, partial_ratio=args.partial_ratio, max_fetch=args.max_fetch,
+                dense_layers=args.dense_layers)  # the same checks as the policy's
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = models.load_model(args.model)
+    prep = load_prep(model)
+    _warn_same_text(prep, args.text)
+    ids = context_tokens(tokenizer, text, args.context, args.steps)[:, : args.context + args.steps]
+    result = speculation_recall(
+        model,
+        ids,
+        prep,
+        args.context,
+        args.alpha,
+        args.partial_ratio,
+        args.max_fetch,
+        args.dense_layers,
+        progress=not args.quiet,
+    )
+    result["text"] = args.text
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"speculation recall, {args.text} at {args.context} tokens, {args.steps} decode steps "
+        f"(alpha {args.alpha:g}, partial ratio {args.partial_ratio:g}, cap {args.max_fetch:g})"
+    )
+    print(f"{'method':<9} {'recall':>7} {'fetched':>8}")
+    for name, m in result["methods"].items():
+        print(f"{name:<9} {m['recall']:>7.3f} {100 * m['fetched_fraction']:>7.1f}%")
+    return 0
+
+
+def _check_calibration(policies: list[Policy], model, text: str) -> None:
+    """Prepare infinigen up front (not mid-grid) and warn if it was calibrated on ``text``."""
+    if any(p.name == "infinigen" for p in policies):
+        from .policies.infinigen import load_prep
+
+        _warn_same_text(load_prep(model), text)
+
+
+def _warn_same_text(prep: dict, text: str) -> None:
+    if prep.get("calibration") == text:
+        print(f"infinikv: warning: infinigen was calibrated on {text}, the text being evaluated", file=sys.stderr)
+
+
 def cmd_models_build(args: argparse.Namespace) -> int:
     model, tokenizer = models.load_model(args.name, kv_capacity=args.capacity, update_rule=args.update_rule)
     out = models.save_model(model, tokenizer, Path(args.out))
@@ -433,6 +494,26 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_stream)
+
+    p = ev.add_parser("recall", help="InfiniGen speculation recall of the true attention, by method")
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--text", default="austen:emma")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=32, help="decode steps measured")
+    p.add_argument("--alpha", type=float, default=4.0)
+    p.add_argument("--partial-ratio", type=float, default=0.3)
+    p.add_argument("--max-fetch", type=float, default=0.2)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval_recall)
+
+    p = sub.add_parser("prepare", help="calibrate InfiniGen's partial weights for a model (saved next to it)")
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--calibration", default="austen:persuasion", help="calibration text (not an evaluation text)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=Parser)
     p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")

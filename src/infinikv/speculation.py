@@ -82,8 +82,9 @@ def select_tokens(scores: torch.Tensor, alpha: float, max_fetch: int) -> tuple[t
     counts = wanted.sum(-1).float().mean((1, 2)).ceil().long().clamp(1, min(max_fetch, n))  # (b,)
     combined = scores.amax(2)
     top = combined.topk(int(counts.max()), dim=-1)
-    fetch = torch.arange(top.indices.shape[-1], device=scores.device) < counts[:, None, None]
-    fetch &= top.values > -math.inf
+    fetch = (torch.arange(top.indices.shape[-1], device=scores.device) < counts[:, None, None]) & (
+        top.values > -math.inf
+    )
     rows, order = top.indices.sort(-1)
     return rows, fetch.gather(-1, order)
 

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from ..errors import InfinikvError
-from ..speculation import column_scores, pair_scores, pairs_to_columns, partial_query, select_tokens, speculative_scores
+from ..speculation import (
+    column_scores,
+    pair_scores,
+    pairs_to_columns,
+    partial_query,
+    select_tokens,
+    skew_matrices,
+    speculative_scores,
+)
 from ..tiers import TieredLayer
 from . import register
 from .base import KVCache, KVLayer, Option, Policy
@@ -78,6 +86,43 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = True) 
     return {"pair_ranking": pair_ranking, "column_ranking": column_ranking, "tokens": int(ids.shape[1])}
 
 
+@torch.inference_mode()
+def skew(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Fold a per-head orthogonal skew into W_q and W_k (and biases) of a model without RoPE.
+
+    Each head's queries on ``ids`` (1, n) give A = V from their SVD; W_q <- A^T W_q and
+    W_k <- A^T W_k per head, so q.k (and the logits) are unchanged while a few query columns
+    carry most of the product. Returns the A of each layer (H, d, d). Refuses RoPE models,
+    where a rotation mixing dimensions does not commute with the position rotation.
+    """
+    if is_rotary(model):
+        raise InfinikvError("exact skewing needs a model without RoPE; RoPE models keep whole rotary pairs instead")
+    modules = attention_modules(model)
+    queries: dict[int, torch.Tensor] = {}
+
+    def capture(module, args, kwargs):
+        x = kwargs["hidden_states"]
+        queries[module.layer_idx] = module.q_proj(x)[0].view(x.shape[1], -1, module.head_dim)  # (n, H, d)
+
+    hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    matrices = []
+    for index, module in sorted(modules.items()):
+        a = skew_matrices(queries[index])  # (H, d, d)
+        for proj in (module.q_proj, module.k_proj):
+            weight = proj.weight.view(a.shape[0], module.head_dim, -1)
+            proj.weight.copy_((a.transpose(-1, -2) @ weight).view_as(proj.weight))
+            if proj.bias is not None:
+                bias = proj.bias.view(a.shape[0], module.head_dim, 1)
+                proj.bias.copy_((a.transpose(-1, -2) @ bias).view_as(proj.bias))
+        matrices.append(a)
+    return matrices
+
+
 def prepare(
     model: torch.nn.Module, tokenizer, calibration: str = DEFAULT_CALIBRATION, tokens: int = 2048, progress: bool = True
 ) -> Path:
@@ -103,6 +148,26 @@ def load_prep(model: torch.nn.Module) -> dict[str, Any]:
         print(f"infinigen: preparing {model.name_or_path} on {DEFAULT_CALIBRATION} (once) ...", file=sys.stderr)
         prepare(model, AutoTokenizer.from_pretrained(model.name_or_path), DEFAULT_CALIBRATION)
     return json.loads(path.read_text())
+
+
+def kept_columns(prep: dict[str, Any], layer: int, rotary: bool, ratio: float, head_dim: int) -> torch.Tensor:
+    """The columns each KV head keeps (h, c): its best rotary pairs (RoPE) or best columns."""
+    if rotary:
+        pairs = max(1, round(ratio * head_dim / 2))
+        return pairs_to_columns(torch.tensor(prep["pair_ranking"][layer])[:, :pairs], head_dim)
+    return torch.tensor(prep["column_ranking"][layer])[:, : max(1, round(ratio * head_dim))]
+
+
+def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of W_q (and b_q) for the kept columns: (h, g, c, D) and (h, g, c) or None."""
+    n_kv, head_dim = columns.shape[0], module.head_dim
+    weight = module.q_proj.weight.detach().view(n_kv, -1, head_dim, module.q_proj.in_features)
+    weight = weight.gather(2, columns[:, None, :, None].expand(-1, weight.shape[1], -1, weight.shape[-1]))
+    bias = module.q_proj.bias
+    if bias is not None:
+        bias = bias.detach().view(n_kv, -1, head_dim)
+        bias = bias.gather(2, columns[:, None, :].expand(-1, bias.shape[1], -1))
+    return weight.contiguous(), bias
 
 
 class InfiniGenLayer(TieredLayer):
@@ -182,7 +247,6 @@ class InfiniGen(Policy):
         prep = self.prep or load_prep(model)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         rotary = is_rotary(model)
         overlap = not self.params["no_overlap"]
         layers: list[KVLayer] = []
@@ -190,24 +254,13 @@ class InfiniGen(Policy):
             if index < self.params["dense_layers"]:
                 layers.append(KVLayer())
                 continue
-            if rotary:
-                pairs = max(1, round(self.params["partial_ratio"] * head_dim / 2))
-                ranking = torch.tensor(prep["pair_ranking"][index])[:, :pairs]
-                columns = pairs_to_columns(ranking, head_dim)
-            else:
-                keep = max(1, round(self.params["partial_ratio"] * head_dim))
-                columns = torch.tensor(prep["column_ranking"][index])[:, :keep]
+            columns = kept_columns(prep, index, rotary, self.params["partial_ratio"], head_dim)
             columns = columns.to(module.q_proj.weight.device)
-            weight = module.q_proj.weight.detach().view(n_kv, -1, head_dim, config.hidden_size)
-            weight = weight.gather(2, columns[:, None, :, None].expand(-1, weight.shape[1], -1, weight.shape[-1]))
-            bias = None
-            if module.q_proj.bias is not None:
-                bias = module.q_proj.bias.detach().view(n_kv, -1, head_dim)
-                bias = bias.gather(2, columns[:, None, :].expand(-1, bias.shape[1], -1))
+            weight, bias = partial_weights(module, columns)
             layers.append(
                 InfiniGenLayer(
                     columns,
-                    weight.contiguous(),
+                    weight,
                     bias,
                     rotary,
                     self.params["alpha"],
