@@ -33,8 +33,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

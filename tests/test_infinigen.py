@@ -169,3 +169,45 @@ def test_calibration_ranks_pairs_per_kv_head(tiny):
     prep = calibrate(tiny, torch.randint(0, 128, (1, 32)), progress=False)
     assert len(prep["pair_ranking"]) == 2
     assert [sorted(head) for head in prep["pair_ranking"][0]] == [list(range(8))] * 2  # 2 KV heads, d/2 = 8 pairs
+
+
+@pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
+@torch.inference_mode()
+def test_bounded_pool(real, emma_ids, eviction):
+    """The pool never exceeds its capacity, evicts by its rule and keeps partial keys in step."""
+    model, _ = real
+    cache = make_policy("infinigen", pool_capacity=64, eviction=eviction).make_cache(model)
+    layer = cache.layers[5]
+    decisions = []
+    evict = layer.evict
+
+    def spy(keep):
+        length = keep.shape[-1]
+        decisions.append(
+            (layer.priority(length, layer.capacity()), keep.clone(), layer.meta["valid"][:, :, :length].clone())
+        )
+        evict(keep)
+
+    layer.evict = spy
+    model(input_ids=emma_ids[:, :60], cache=cache, use_cache=True)
+    for i in range(60, 100):
+        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
+        for sparse in cache.layers[2:]:
+            assert int(sparse.meta["valid"][:, :, : sparse.used].sum(-1).max()) <= 64
+    assert len(decisions) == 100 - 64
+    for priority, keep, valid in decisions:
+        for head in range(3):  # each KV head drops one entry: one it ranks lowest
+            p, k, v = priority[0, head], keep[0, head], valid[0, head]
+            dropped = p[v & ~k]
+            assert dropped.numel() == 1 and float(dropped) <= float(p[k].min())
+    columns = layer.columns
+    stored = layer.keys[:, :, : layer.used]
+    expected = stored.gather(-1, columns[None, :, None, :].expand(1, -1, layer.used, -1))
+    assert torch.equal(layer.meta["partial"][:, :, : layer.used], expected)
+
+
+def test_eviction_needs_a_pool():
+    with pytest.raises(InfinikvError, match="needs --pool-capacity"):
+        make_policy("infinigen", eviction="lru")
+    with pytest.raises(InfinikvError, match="eviction"):
+        make_policy("infinigen", pool_capacity=0.8, eviction="random")

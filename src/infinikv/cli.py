@@ -349,8 +349,10 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in _floats(args.contexts, "--contexts")]
     if not contexts or min(contexts) < 1 or args.steps < 1:
         raise InfinikvError("--contexts must be positive token counts and --steps at least 1")
+    if args.device.startswith("cuda") and not torch_cuda_available():
+        raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
     text = data.load_text(args.text)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = models.load_model(args.model, device=args.device)
     need = max(contexts) + args.steps + 3
     ids = tokenizer(text[: need * 8], return_tensors="pt").input_ids[:, :need]
     if ids.shape[1] < need:
@@ -385,8 +387,13 @@ def cmd_eval_recall(args: argparse.Namespace) -> int:
     from .eval.recall import speculation_recall
     from .policies.infinigen import load_prep
 
-    make_policy("infinigen", alpha=args.alpha, partial_ratio=args.partial_ratio, max_fetch=args.max_fetch,
-                dense_layers=args.dense_layers)  # the same checks as the policy's
+    make_policy(
+        "infinigen",
+        alpha=args.alpha,
+        partial_ratio=args.partial_ratio,
+        max_fetch=args.max_fetch,
+        dense_layers=args.dense_layers,
+    )  # the same checks as the policy's
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
     prep = load_prep(model)
@@ -428,6 +435,12 @@ def _check_calibration(policies: list[Policy], model, text: str) -> None:
 def _warn_same_text(prep: dict, text: str) -> None:
     if prep.get("calibration") == text:
         print(f"infinikv: warning: infinigen was calibrated on {text}, the text being evaluated", file=sys.stderr)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_models_build(args: argparse.Namespace) -> int:
@@ -521,6 +534,7 @@ def build_parser() -> Parser:
     p.add_argument("--text", default="austen:all")
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
     p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)

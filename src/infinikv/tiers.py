@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .policies.base import KVLayer
+from .policies.base import Budget, KVLayer
 
 
 @cache
@@ -69,8 +69,8 @@ class TieredLayer(KVLayer):
     """A layer whose K/V live in the slow tier; each decode step attends to rows fetched into
     the fast tier (chosen by ``choose_rows``) plus the new tokens. Prefill is dense."""
 
-    def __init__(self, overlap: bool = True) -> None:
-        super().__init__(budget=None)
+    def __init__(self, overlap: bool = True, budget: Budget | None = None) -> None:
+        super().__init__(budget=budget)
         self.overlap = overlap
         self.fast_keys: torch.Tensor | None = None
         self.fast_values: torch.Tensor | None = None

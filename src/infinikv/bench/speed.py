@@ -34,6 +34,13 @@ def bench_speed(
 ):
     """Yield one result per (context, policy): median ms per decode step, ratio to ``full``, memory."""
     process = psutil.Process()
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+
+    def sync() -> None:  # CUDA runs asynchronously: time finished work only
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for context in contexts:
         caches = {}
         for policy in tqdm(policies, desc=f"prefill {context}", disable=not progress, leave=False):
@@ -42,8 +49,10 @@ def bench_speed(
         tokens = ids[:, context : context + warmup + steps]
         for step in tqdm(range(warmup + steps), desc=f"decode {context}", disable=not progress, leave=False):
             for policy in policies:  # interleaved: every policy sees the same machine state
+                sync()
                 begin = time.perf_counter()
                 model(input_ids=tokens[:, step : step + 1], cache=caches[str(policy)], use_cache=True)
+                sync()
                 if step >= warmup:
                     times[str(policy)].append(time.perf_counter() - begin)
         medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
@@ -58,6 +67,7 @@ def bench_speed(
                 "tokens_per_second": round(1000 / ms, 2),
                 "ratio_to_full": round(reference / ms, 3) if reference else None,
                 "kv_bytes": caches[str(policy)].held_bytes(),
+                "bytes_moved_per_step": (caches[str(policy)].transfer_summary() or {}).get("bytes_moved_per_step", 0),
                 "rss_bytes": rss,
             }
         del caches

@@ -307,7 +307,7 @@ class KVLayer(CacheLayerMixin):
             n_moves = tail.sum(-1, keepdim=True)
             sources = torch.where(torch.arange(pairs, device=keep.device) < n_moves, movers, holes)
             for t in self.slot_tensors():
-                src, dst = sources, holes
+                src, dst = sources.to(t.device), holes.to(t.device)  # a slow tier may live elsewhere
                 if t.dim() == 4:
                     src = src[..., None].expand(-1, -1, -1, t.shape[-1])
                     dst = dst[..., None].expand(-1, -1, -1, t.shape[-1])

@@ -31,7 +31,7 @@ from ..speculation import (
 )
 from ..tiers import TieredLayer
 from . import register
-from .base import KVCache, KVLayer, Option, Policy
+from .base import Budget, KVCache, KVLayer, Option, Policy
 
 PREP_FILE = "infinikv-infinigen.json"
 DEFAULT_CALIBRATION = "austen:persuasion"
@@ -171,7 +171,13 @@ def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[tor
 
 
 class InfiniGenLayer(TieredLayer):
-    """A sparse layer: partial keys in the fast tier, speculated rows fetched each decode step."""
+    """A sparse layer: partial keys in the fast tier, speculated rows fetched each decode step.
+
+    With a ``pool`` budget the slow tier is bounded: when full, the entry chosen by ``eviction``
+    is overwritten (with its partial key): ``counter`` the fewest fetches so far, ``lru`` the
+    least recently fetched, ``fifo`` the oldest. The newest tenth of the pool is never a victim,
+    so a token is not dropped before it could be fetched.
+    """
 
     def __init__(
         self,
@@ -183,23 +189,27 @@ class InfiniGenLayer(TieredLayer):
         max_fetch: float,
         scaling: float,
         overlap: bool,
+        pool: Budget | None = None,
+        eviction: str = "counter",
     ) -> None:
-        super().__init__(overlap)
+        super().__init__(overlap, budget=pool)
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
-        self.alpha, self.max_fetch, self.scaling = alpha, max_fetch, scaling
-        self.partial_keys: torch.Tensor | None = None  # (b, h, S, c), preallocated and grown
+        self.alpha, self.max_fetch, self.scaling, self.eviction = alpha, max_fetch, scaling, eviction
+        self.steps = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h = key_states.shape[:2]  # the partial keys are per-slot state: they move with their slot
+        self.meta["partial"] = key_states.new_zeros(b, h, self.keys.shape[2], self.columns.shape[-1])
+
+    def extra_meta(self) -> dict[str, torch.dtype]:
+        return {"fetches": torch.float32, "last_fetch": torch.float32}
 
     def store_extra(self, key_states: torch.Tensor) -> None:
-        b, h, q, _ = key_states.shape
-        end = self.used + q
-        if self.partial_keys is None or end > self.partial_keys.shape[2]:
-            size = max(end, 2 * (0 if self.partial_keys is None else self.partial_keys.shape[2]), 64)
-            grown = key_states.new_zeros(b, h, size, self.columns.shape[-1])
-            if self.partial_keys is not None:
-                grown[:, :, : self.used] = self.partial_keys[:, :, : self.used]
-            self.partial_keys = grown
+        b, _, q, _ = key_states.shape
         index = self.columns[None, :, None, :].expand(b, -1, q, -1)
-        self.partial_keys[:, :, self.used : end] = key_states.gather(-1, index)
+        self.meta["partial"][:, :, self.used : self.used + q] = key_states.gather(-1, index)
+        self.meta["last_fetch"][:, :, self.used : self.used + q] = self.steps
 
     def choose_rows(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
@@ -209,9 +219,24 @@ class InfiniGenLayer(TieredLayer):
         else:
             cos = sin = None
         pq = partial_query(x, self.weight, self.bias, cos, sin)
-        scores = speculative_scores(pq, self.partial_keys[:, :, : self.used], self.scaling)[:, :, :, -1]
+        scores = speculative_scores(pq, self.meta["partial"][:, :, : self.used], self.scaling)[:, :, :, -1]
         scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
-        return select_tokens(scores, self.alpha, max(1, math.ceil(self.max_fetch * self.used)))
+        rows, fetch = select_tokens(scores, self.alpha, max(1, math.ceil(self.max_fetch * self.used)))
+        self.steps += 1
+        self.meta["fetches"].scatter_add_(2, rows, fetch.float())
+        self.meta["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
+        return rows, fetch
+
+    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
+        position = self.meta["position"][:, :, :length]
+        newest = position.amax(-1, keepdim=True)
+        protected = position > newest - torch.ceil(capacity * 0.1)[:, None, None]
+        rank = {
+            "counter": self.meta["fetches"][:, :, :length],
+            "lru": self.meta["last_fetch"][:, :, :length],
+            "fifo": position.float(),
+        }[self.eviction]
+        return torch.where(protected, math.inf, rank)
 
 
 @register
@@ -234,10 +259,28 @@ class InfiniGen(Policy):
         ),
         Option("dense_layers", int, 2, "first layers that always use their full cache, >= 0", lambda n: n >= 0),
         Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),
+        Option(
+            "pool_capacity",
+            float,
+            0.0,
+            "bound the slow tier: a fraction of tokens seen (<= 1) or tokens; 0 = unbounded",
+            lambda c: c >= 0,
+        ),
+        Option(
+            "eviction",
+            str,
+            "",
+            "with --pool-capacity: counter (default), lru or fifo",
+            lambda e: e in ("", "counter", "lru", "fifo"),
+        ),
     )
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
         super().__init__(budget, capacity, **params)
+        if self.params["eviction"] and not self.params["pool_capacity"]:
+            raise InfinikvError("--eviction needs --pool-capacity (the pool is unbounded otherwise)")
+        pool = self.params["pool_capacity"]
+        self.pool = None if not pool else Budget(fraction=pool) if pool <= 1 else Budget(tokens=int(pool))
         self.prep: dict[str, Any] | None = None  # set to skip loading it from the model folder
 
     def make_layer(self, layer_idx: int) -> KVLayer:
@@ -267,6 +310,8 @@ class InfiniGen(Policy):
                     self.params["max_fetch"],
                     module.scaling,
                     overlap,
+                    self.pool,
+                    self.params["eviction"] or "counter",
                 )
             )
         return KVCache(layers, self)
