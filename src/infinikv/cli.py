@@ -450,6 +450,18 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: bool = True) -> None:
+    """The arguments every evaluation shares: model, JSON output, results file, progress bar."""
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
+    parser.add_argument("--json", action="store_true", help=json_help)
+    if results:
+        parser.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+GRID_JSON = "print a JSON list, one object per (policy, budget)"
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="infinikv", description="Long-text LLM generation under a fixed KV-cache budget.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -473,43 +485,34 @@ def build_parser() -> Parser:
         dest="eval", required=True, parser_class=Parser
     )
     p = ev.add_parser("ppl", help="P-ctx: perplexity of a continuation after a compressed context")
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    add_run_arguments(p, GRID_JSON)
     p.add_argument("--text", default="austen:emma", help="text name or .txt path (default austen:emma)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--continuation", type=int, default=512)
-    p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, budget)")
-    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_ppl)
 
     p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%")
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    add_run_arguments(p, GRID_JSON)
     p.add_argument("--text", default="austen:prideprejudice", help="haystack text (default austen:prideprejudice)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--needles", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
-    p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, budget)")
-    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_needle)
 
     p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    add_run_arguments(p, GRID_JSON)
     p.add_argument("--text", default="austen:all")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=32, help="tokens fed per forward (default 32)")
     p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     p.add_argument("--plot", help="write a PNG of perplexity and RSS over the stream")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_eval_stream)
 
     p = ev.add_parser("recall", help="InfiniGen speculation recall of the true attention, by method")
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    add_run_arguments(p, "print one JSON object", results=False)
     p.add_argument("--text", default="austen:emma")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=32, help="decode steps measured")
@@ -517,8 +520,6 @@ def build_parser() -> Parser:
     p.add_argument("--partial-ratio", type=float, default=0.3)
     p.add_argument("--max-fetch", type=float, default=0.2)
     p.add_argument("--dense-layers", type=int, default=2)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval_recall)
 
     p = sub.add_parser("prepare", help="calibrate InfiniGen's partial weights for a model (saved next to it)")

@@ -47,28 +47,18 @@ def is_rotary(model: torch.nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = True) -> dict[str, Any]:
-    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry.
-
-    Runs ``ids`` (1, n) through the model once, capturing every layer's post-RoPE queries and
-    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...}``.
-    """
+def attention_inputs(
+    model: torch.nn.Module, ids: torch.Tensor, progress: bool = False
+) -> dict[int, tuple[torch.Tensor, Any]]:
+    """Each layer's attention input x (1, n, D) and RoPE ``(cos, sin)`` (or None) for ``ids`` (1, n)."""
     from tqdm import tqdm
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    captured: dict[int, tuple[torch.Tensor, Any]] = {}
     modules = attention_modules(model)
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    bar = tqdm(total=len(modules), desc="calibrating", disable=not progress, leave=False)
+    bar = tqdm(total=len(modules), desc="calibrating", unit="layer", disable=not progress, leave=False)
 
     def capture(module, args, kwargs):
-        x = kwargs["hidden_states"]
-        q = module.q_proj(x).view(*x.shape[:2], -1, head_dim).transpose(1, 2)
-        k = module.k_proj(x).view(*x.shape[:2], -1, head_dim).transpose(1, 2)
-        if kwargs.get("position_embeddings") is not None:
-            q, k = apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
-        captured[module.layer_idx] = (q[0].transpose(0, 1), k[0].transpose(0, 1))  # (n, H, d), (n, h, d)
+        captured[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
         bar.update(1)
 
     hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
@@ -78,9 +68,27 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = True) 
         for hook in hooks:
             hook.remove()
         bar.close()
+    return captured
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[str, Any]:
+    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry.
+
+    Runs ``ids`` (1, n) through the model once and uses every layer's post-RoPE queries and
+    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...}``.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     pair_ranking, column_ranking = [], []
-    for index in sorted(captured):
-        q, k = captured[index]
+    modules = attention_modules(model)
+    for index, (x, rope) in sorted(attention_inputs(model, ids, progress).items()):
+        module = modules[index]
+        q = module.q_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
+        k = module.k_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary_pos_emb(q, k, *rope)
+        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (n, H, d), (n, h, d)
         pair_ranking.append(pair_scores(q, k).argsort(-1, descending=True).tolist())
         column_ranking.append(column_scores(q, k).argsort(-1, descending=True).tolist())
     return {"pair_ranking": pair_ranking, "column_ranking": column_ranking, "tokens": int(ids.shape[1])}
@@ -98,21 +106,11 @@ def skew(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     if is_rotary(model):
         raise InfinikvError("exact skewing needs a model without RoPE; RoPE models keep whole rotary pairs instead")
     modules = attention_modules(model)
-    queries: dict[int, torch.Tensor] = {}
-
-    def capture(module, args, kwargs):
-        x = kwargs["hidden_states"]
-        queries[module.layer_idx] = module.q_proj(x)[0].view(x.shape[1], -1, module.head_dim)  # (n, H, d)
-
-    hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
-    try:
-        model(input_ids=ids, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    inputs = attention_inputs(model, ids)
     matrices = []
     for index, module in sorted(modules.items()):
-        a = skew_matrices(queries[index])  # (H, d, d)
+        x = inputs[index][0]
+        a = skew_matrices(module.q_proj(x)[0].view(x.shape[1], -1, module.head_dim))  # (H, d, d)
         for proj in (module.q_proj, module.k_proj):
             weight = proj.weight.view(a.shape[0], module.head_dim, -1)
             proj.weight.copy_((a.transpose(-1, -2) @ weight).view_as(proj.weight))
