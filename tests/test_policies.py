@@ -2,7 +2,6 @@
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ EXACT = {"infinigen": dict(alpha=math.inf, max_fetch=1.0)}  # speculation that f
 def whole(name: str, model=None):
     """The policy keeping (or fetching) every token of these tests: it must match ``full``."""
     policy = make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name, **EXACT.get(name, {}))
-    if name == "infinigen" and model is not None and not Path(model.name_or_path).is_dir():
+    if name == "infinigen" and model is not None and not model.name_or_path:  # no folder to prepare it in
         policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
     return policy
 

@@ -128,8 +128,8 @@ def prepare(
     from ..data import load_text
 
     folder = Path(model.name_or_path)
-    if not folder.is_dir():
-        raise InfinikvError(f"infinigen preparation is saved next to the model, but {folder} is not a folder")
+    if not model.name_or_path or not folder.is_dir():
+        raise InfinikvError(f"infinigen's preparation is saved next to the model, but {folder} is not a folder")
     ids = tokenizer(load_text(calibration, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
     prep = calibrate(model, ids[:, :tokens].to(next(model.parameters()).device), progress)
     prep["calibration"] = calibration
@@ -139,6 +139,10 @@ def prepare(
 
 def load_prep(model: torch.nn.Module) -> dict[str, Any]:
     """The saved preparation of ``model``; prepared (once, with a progress bar) when missing."""
+    if not model.name_or_path:
+        raise InfinikvError(
+            "this model has no folder to keep infinigen's preparation in: set policy.prep = calibrate(...)"
+        )
     path = Path(model.name_or_path) / PREP_FILE
     if not path.is_file():
         from transformers import AutoTokenizer
