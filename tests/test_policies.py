@@ -227,6 +227,7 @@ def test_cache_without_attach_is_refused(tiny):
 
 
 @pytest.mark.parametrize("name", ALL)
+@torch.inference_mode()
 def test_tiny_model_prefill_then_chunks(tiny, name):
     """Mixed chunk sizes on a GQA model: same logits as full when nothing is evicted."""
     ids = torch.randint(0, 128, (2, 40))

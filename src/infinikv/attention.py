@@ -119,8 +119,13 @@ def infinikv_attention(
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     kv_layer.admit(new_token_validity(attention_mask, query.shape[2], query.shape[0]))
-    visible = kv_layer.visibility()
     bias = kv_layer.logit_bias()
+    if kv_layer.starts_clean() and bias is None and not kv_layer.observes_attention:
+        # a first chunk without padding: plain causal attention, SDPA's fast path
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        kv_layer.commit(key.shape[2])
+        return out.transpose(1, 2), None
+    visible = kv_layer.visibility()
     if kv_layer.observes_attention:
         out, mass, last = weighted_attention(query, key, value, visible, bias, scaling)
         kv_layer.observe(mass, last)

@@ -230,6 +230,10 @@ class KVLayer(CacheLayerMixin):
         self.meta["valid"][:, :, self.used : self.used + q] = new_valid.view(-1, 1, q)
         self.real_seen += new_valid.sum(-1).to(self.real_seen.dtype).expand_as(self.real_seen)
 
+    def starts_clean(self) -> bool:
+        """True for a first chunk of several real tokens: attention is then plainly causal."""
+        return self.used == 0 and self.pending > 1 and bool(self.meta["valid"][:, :, : self.pending].all())
+
     def visibility(self) -> torch.Tensor | None:
         """Which stored keys each new query sees ``(b, h, q, L)``, or None when it sees all of them.
 
