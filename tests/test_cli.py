@@ -224,7 +224,7 @@ def test_eval_stream_with_plot(capsys, tmp_path):
         str(tmp_path / "s.jsonl"),
     )
     assert code == 0 and plot.stat().st_size > 10_000
-    assert "bct:sink-recent" in out and "peak RSS" in out
+    assert "bct:heavy-hitter" in out and "peak RSS" in out
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [len(r["windows"]) for r in rows] == [3, 3]
     assert rows[0]["windows"][-1]["kv_bytes"] == 64 * 30 * 2 * 3 * 64 * 4  # bct holds exactly its capacity

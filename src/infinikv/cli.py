@@ -556,7 +556,7 @@ def build_parser() -> Parser:
             b = group.add_parser("build", help="save a model built with a fixed KV capacity (bct by default)")
             b.add_argument("name", help="bundled name, HF folder or .gguf file")
             b.add_argument("--capacity", type=int, required=True, help="KV tokens per layer")
-            b.add_argument("--update-rule", default=None, help="bct update rule (default sink-recent)")
+            b.add_argument("--update-rule", default=None, help="bct update rule (default heavy-hitter)")
             b.add_argument("--out", required=True, help="folder to write")
             b.set_defaults(func=cmd_models_build)
         lst = group.add_parser("list", help=f"list {name}")

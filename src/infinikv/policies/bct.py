@@ -82,7 +82,7 @@ RULES: dict[str, type[KVLayer]] = {
     "tova": TovaLayer,
     "merge": MergeLayer,
 }
-DEFAULT_RULE = "sink-recent"
+DEFAULT_RULE = "heavy-hitter"
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
