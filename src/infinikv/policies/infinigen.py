@@ -224,9 +224,10 @@ class InfiniGenLayer(TieredLayer):
         scores = speculative_scores(pq, self.meta["partial"][:, :, : self.used], self.scaling)[:, :, :, -1]
         scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
         rows, fetch = select_tokens(scores, self.alpha, max(1, math.ceil(self.max_fetch * self.used)))
-        self.steps += 1
-        self.meta["fetches"].scatter_add_(2, rows, fetch.float())
-        self.meta["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
+        if self.budget is not None:  # the bounded pool's eviction needs the fetch history
+            self.steps += 1
+            self.meta["fetches"].scatter_add_(2, rows, fetch.float())
+            self.meta["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
         return rows, fetch
 
     def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
