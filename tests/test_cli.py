@@ -241,7 +241,7 @@ def test_bench_speed(capsys, tmp_path):
         "--steps",
         "3",
         "--policies",
-        "full,bct",
+        "full,bct,infinigen",
         "--capacity",
         "64",
         "--json",
@@ -250,15 +250,14 @@ def test_bench_speed(capsys, tmp_path):
     )
     rows = json.loads(out_file.read_text())
     assert code == 0 and [(r["context"], r["policy"]) for r in rows] == [
-        (128, "full"),
-        (128, "bct"),
-        (256, "full"),
-        (256, "bct"),
+        (c, p) for c in (128, 256) for p in ("full", "bct", "infinigen")
     ]
     for row in rows:
-        assert {"context", "policy", "ms_per_step", "ratio_to_full", "kv_bytes", "rss_bytes"} <= set(row)
+        assert {"context", "policy", "ms_per_step", "ratio_to_full", "kv_bytes", "rss_bytes", "profile_ms"} <= set(row)
+        assert row["profile_ms"]["attend"] > 0
         assert row["ms_per_step"] > 0
-    assert rows[0]["ratio_to_full"] == 1.0 and "x full" in out
+    assert rows[0]["ratio_to_full"] == 1.0 and "x full" in out and "speculate" in out
+    assert rows[2]["profile_ms"]["speculate"] > 0 and rows[2]["bytes_moved_per_step"] > 0
 
 
 def test_generate_uses_a_built_models_policy(capsys, tmp_path):

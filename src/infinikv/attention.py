@@ -8,6 +8,7 @@ infinikv cache (e.g. a plain ``DynamicCache``) it is exactly transformers' SDPA 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -118,12 +119,14 @@ def infinikv_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    started = time.perf_counter()
     kv_layer.admit(new_token_validity(attention_mask, query.shape[2], query.shape[0]))
     bias = kv_layer.logit_bias()
     if kv_layer.starts_clean() and bias is None and not kv_layer.observes_attention:
         # a first chunk without padding: plain causal attention, SDPA's fast path
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         kv_layer.commit(key.shape[2])
+        kv_layer.clock["attend"] += time.perf_counter() - started
         return out.transpose(1, 2), None
     visible = kv_layer.visibility()
     if kv_layer.observes_attention:
@@ -133,6 +136,7 @@ def infinikv_attention(
         out = sdpa(query, key, value, visible, bias, scaling)
     attended = key.shape[2] if visible is None else float(visible[:, :, -1].sum(-1).float().mean())
     kv_layer.commit(attended)
+    kv_layer.clock["attend"] += time.perf_counter() - started
     return out.transpose(1, 2), None
 
 

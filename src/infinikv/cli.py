@@ -370,6 +370,13 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
             f"{r['context']:>8} {_policy_label(r):<18} {_budget_label(r):>8} {r['ms_per_step']:>9.1f} "
             f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['kv_bytes'] / 2**20:>8.1f} {r['rss_bytes'] / 2**20:>8.0f}"
         )
+    print("\nwhere a decode step goes (mean ms): speculate / fetch not hidden by overlap / attend / rest")
+    for r in rows:
+        p = r["profile_ms"]
+        print(
+            f"{r['context']:>8} {_policy_label(r):<18} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
+            f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f}"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ a worker thread on CPU) unless overlap is off, and is recorded in the layer's le
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -105,7 +106,9 @@ class TieredLayer(KVLayer):
         if x.shape[1] != 1 or self.used == 0:
             return  # prefill (and the first step) is dense
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        started = time.perf_counter()
         self.fetch(self.choose_rows(x, cos, sin), self.overlap)
+        self.clock["speculate"] += time.perf_counter() - started
 
     def fetch(self, chosen: tuple[torch.Tensor, torch.Tensor] | None, overlap: bool) -> None:
         """Copy the chosen slow-tier slots (None: all) into the fast tier, and log it."""
@@ -140,7 +143,9 @@ class TieredLayer(KVLayer):
         self.store_extra(key_states)
         if self.fetched is None:  # dense: everything stored (on the compute device)
             return keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)
+        started = time.perf_counter()
         self.transfer.wait()
+        self.clock["fetch"] += time.perf_counter() - started  # what the overlap did not hide
         k, q = self.fetched.shape[-1], key_states.shape[2]
         self.fast_keys[:, :, k : k + q] = key_states  # the current token always attends to itself
         self.fast_values[:, :, k : k + q] = value_states

@@ -55,11 +55,16 @@ def bench_speed(
                 sync()
                 if step >= warmup:
                     times[str(policy)].append(time.perf_counter() - begin)
+                elif step == warmup - 1:
+                    caches[str(policy)].reset_clock()
         medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
         reference = next((medians[str(p)] for p in policies if p.name == "full"), None)
         rss = process.memory_info().rss
         for policy in policies:
             ms = medians[str(policy)]
+            mean_ms = statistics.mean(times[str(policy)]) * 1000
+            profile = {phase: round(s * 1000 / steps, 3) for phase, s in caches[str(policy)].clock().items()}
+            profile["rest"] = round(mean_ms - sum(profile.values()), 3)
             yield {
                 **policy.describe(),
                 "context": context,
@@ -69,5 +74,6 @@ def bench_speed(
                 "kv_bytes": caches[str(policy)].held_bytes(),
                 "bytes_moved_per_step": (caches[str(policy)].transfer_summary() or {}).get("bytes_moved_per_step", 0),
                 "rss_bytes": rss,
+                "profile_ms": profile,  # mean ms per step: speculate / fetch (not hidden) / attend / rest
             }
         del caches

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -107,6 +108,7 @@ class KVLayer(CacheLayerMixin):
         self.meta: dict[str, torch.Tensor] = {}  # per-slot state, each (b, h, S)
         self.real_seen: torch.Tensor | None = None  # (b,) real tokens seen per sequence
         self.trace: list[tuple[int, int, float]] = []  # per forward: (q, seen, keys attended)
+        self.clock: dict[str, float] = defaultdict(float)  # seconds spent per phase (see bench speed)
         self.peak_bytes = 0
 
     # -- storage ---------------------------------------------------------------------------
@@ -344,6 +346,18 @@ class KVCache(Cache):
         """Layer ``layer_idx``'s attention is about to run on ``x``: let the next layer prepare."""
         if layer_idx + 1 < len(self.layers):
             self.layers[layer_idx + 1].speculate(x, position_embeddings)
+
+    def clock(self) -> dict[str, float]:
+        """Seconds spent per phase (speculate, fetch, attend), summed over layers since reset."""
+        total: dict[str, float] = defaultdict(float)
+        for layer in self.layers:
+            for phase, seconds in layer.clock.items():
+                total[phase] += seconds
+        return dict(total)
+
+    def reset_clock(self) -> None:
+        for layer in self.layers:
+            layer.clock.clear()
 
     def transfer_summary(self) -> dict[str, float] | None:
         """Slow->fast traffic per decode step, for policies with two tiers (else None)."""
