@@ -200,7 +200,7 @@ def test_batched_greedy_equals_each_prompt_alone(real, name):
         (dict(name="sink", budget=0.0), "budget"),
         (dict(name="sink", budget=1.5), "budget"),
         (dict(name="h2o", capacity=0), "capacity"),
-        (dict(name="sink"), "exactly one"),
+        (dict(name="sink"), "needs --budget"),
         (dict(name="sink", budget=0.2, capacity=10), "exactly one"),
         (dict(name="h2o", budget=0.2, recent_ratio=2), "recent-ratio"),
         (dict(name="sink", budget=0.2, sinks=-1), "sinks"),

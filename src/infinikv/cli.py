@@ -80,8 +80,6 @@ def build_policies(args: argparse.Namespace, names: list[str], budgets: list[flo
         if not REGISTRY[name].bounded:
             policies.append(make_policy(name, **own))
             continue
-        if args.capacity is None and budgets == [None]:
-            raise InfinikvError(f"policy {name!r} needs --budget FRACTION or --capacity TOKENS")
         for budget in budgets if args.capacity is None else [None]:
             policies.append(make_policy(name, budget=budget, capacity=args.capacity, **own))
     return policies
@@ -167,6 +165,9 @@ def _read_prompts(args: argparse.Namespace) -> list[str] | str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Sampling, generate
 
+    given = [o.flag for o in _policy_options().values() if getattr(args, o.name) is not None]
+    if args.policy is None and (given or args.budget is not None or args.capacity is not None):
+        raise InfinikvError(f"{(given or ['--budget/--capacity'])[0]} needs --policy")
     policy = build_policies(args, [args.policy], [args.budget])[0] if args.policy else None
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     prompts = _read_prompts(args)

@@ -413,7 +413,11 @@ class Policy(ABC):
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
         """The budget from ``--budget``/``--capacity``; unbounded policies ignore both."""
-        return Budget(budget, capacity) if self.bounded else None
+        if not self.bounded:
+            return None
+        if budget is None and capacity is None:
+            raise InfinikvError(f"policy {self.name!r} needs --budget FRACTION or --capacity TOKENS")
+        return Budget(budget, capacity)
 
     @abstractmethod
     def make_layer(self, layer_idx: int) -> KVLayer: ...

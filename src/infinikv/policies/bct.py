@@ -133,7 +133,7 @@ class BoundedCache(Policy):
             raise InfinikvError("give --kv-memory or --budget for bct, not both")
         if self.kv_bytes is not None and capacity is None:
             return None  # settled per model by resolve()
-        return Budget(budget, capacity)
+        return super().make_budget(budget, capacity)
 
     def resolve(self, config: Any) -> Budget:
         """The per-layer token capacity for a model, checked against ``--kv-memory``."""
