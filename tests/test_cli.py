@@ -295,3 +295,44 @@ def test_generate_uses_a_built_models_policy(capsys, tmp_path):
 def test_bad_bct_input_from_the_cli(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_eval_recall_and_prepare(capsys, tmp_path):
+    code, out, _ = run(capsys, "eval", "recall", "--context", "64", "--steps", "2", "--alpha", "8", "--json", "--quiet")
+    result = json.loads(out)
+    assert code == 0 and set(result["methods"]) == {"pairs", "columns", "oracle"}
+    for method in result["methods"].values():
+        assert 0 < method["recall"] <= 1.0001 and 0 < method["fetched_fraction"] <= 1
+        assert len(method["recall_per_layer"]) == 30
+    # an upper bound: the true top tokens capture at least what speculation does, at the same count
+    assert result["methods"]["oracle"]["recall"] >= result["methods"]["pairs"]["recall"] - 1e-6
+
+
+def test_prepare_warns_about_the_calibration_text(capsys, tmp_path):
+    from infinikv.models import load_model, save_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    save_model(model, tokenizer, tmp_path / "m")
+    code, out, _ = run(
+        capsys, "prepare", "--model", str(tmp_path / "m"), "--calibration", "jargon", "--tokens", "64", "--quiet"
+    )
+    assert code == 0 and (tmp_path / "m" / "infinikv-infinigen.json").is_file()
+    code, _, err = run(
+        capsys,
+        "eval",
+        "ppl",
+        "--model",
+        str(tmp_path / "m"),
+        "--text",
+        "jargon",
+        "--context",
+        "32",
+        "--continuation",
+        "4",
+        "--policies",
+        "infinigen",
+        "--quiet",
+        "--out",
+        str(tmp_path / "r.jsonl"),
+    )
+    assert code == 0 and "calibrated on jargon" in err

@@ -72,10 +72,9 @@ def speculation_recall(
                 keys = cache.layers[i].keys[:, :, : cache.layers[i].used]  # (1, h, n + 1, d), current token last
                 n = keys.shape[2] - 1
                 cap = max(1, math.ceil(max_fetch * n))
-                truth = (full_query(module, x, rope, d) @ keys.transpose(-1, -2) * module.scaling).softmax(
-                    -1
-                )  # (1, H, 1, n + 1)
-                truth = truth.view(1, n_kv, -1, n + 1).mean(2)  # per KV head: the group's mean attention
+                q = full_query(module, x, rope, d).view(1, n_kv, -1, d)  # (1, h, g, d)
+                truth = (torch.einsum("bhgd,bhnd->bhgn", q, keys) * module.scaling).softmax(-1)
+                truth = truth.mean(2)  # (1, h, n + 1): the group's mean attention per KV head
                 # pairs: partial weights, no full query
                 cols = kept_columns(prep, i, rotary, partial_ratio, d)
                 weight, bias = partial_weights(module, cols)
