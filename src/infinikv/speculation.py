@@ -67,19 +67,23 @@ def speculative_scores(pq: torch.Tensor, partial_keys: torch.Tensor, scaling: fl
     return torch.einsum("bhgqc,bhnc->bhgqn", pq, partial_keys) * scaling
 
 
-def select_tokens(scores: torch.Tensor, alpha: float, max_fetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_tokens(
+    scores: torch.Tensor, alpha: float, max_fetch: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens to fetch per KV head, from speculative logits of the newest query.
 
     scores (b, h, g, n), -inf where a token must not be fetched. A query head wants the tokens
     whose logit is above its max - alpha (softmax weight >= e^-alpha of the largest); a
-    sequence fetches the mean of that count over its heads, capped at ``max_fetch``; each KV
+    sequence fetches the mean of that count over its heads, capped at ``max_fetch`` (an int, or
+    one per sequence (b,)); each KV
     head then takes its top tokens by the largest logit any of its g query heads gives them.
     Returns ``(rows, fetch)``, both (b, h, k) with k the largest count in the batch, sorted by
     slot: ``fetch`` is False where a sequence needs fewer than k tokens.
     """
     n = scores.shape[-1]
     wanted = (scores > scores.amax(-1, keepdim=True) - alpha) & (scores > -math.inf)
-    counts = wanted.sum(-1).float().mean((1, 2)).ceil().long().clamp(1, min(max_fetch, n))  # (b,)
+    cap = torch.as_tensor(max_fetch, device=scores.device).clamp(max=n)
+    counts = torch.minimum(wanted.sum(-1).float().mean((1, 2)).ceil().long(), cap).clamp(min=1)  # (b,)
     combined = scores.amax(2)
     top = combined.topk(int(counts.max()), dim=-1)
     fetch = (torch.arange(top.indices.shape[-1], device=scores.device) < counts[:, None, None]) & (

@@ -223,7 +223,8 @@ class InfiniGenLayer(TieredLayer):
         pq = partial_query(x, self.weight, self.bias, cos, sin)
         scores = speculative_scores(pq, self.meta["partial"][:, :, : self.used], self.scaling)[:, :, :, -1]
         scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
-        rows, fetch = select_tokens(scores, self.alpha, max(1, math.ceil(self.max_fetch * self.used)))
+        real = self.meta["valid"][:, 0, : self.used].sum(-1)  # (b,) tokens of each sequence, padding aside
+        rows, fetch = select_tokens(scores, self.alpha, torch.ceil(self.max_fetch * real).long().clamp(min=1))
         if self.budget is not None:  # the bounded pool's eviction needs the fetch history
             self.steps += 1
             self.meta["fetches"].scatter_add_(2, rows, fetch.float())
