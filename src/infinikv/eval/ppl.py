@@ -4,11 +4,8 @@ report the perplexity of those tokens and how much of the cache each step attend
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -56,18 +53,3 @@ def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress:
         "continuation": continuation,
         "seconds": round(time.perf_counter() - start, 3),
     }
-
-
-def run_grid(
-    model, ids: torch.Tensor, policies: Iterable[Policy], context: int, out: Path | None, progress: bool = True
-):
-    """P-ctx for each policy in turn; each result is appended to ``out`` (JSON lines) as it lands."""
-    results = []
-    for policy in policies:
-        result = perplexity(model, ids, policy, context, progress)
-        results.append(result)
-        if out is not None:
-            with out.open("a") as f:
-                f.write(json.dumps(result) + "\n")
-        yield result
-    return results

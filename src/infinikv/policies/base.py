@@ -114,7 +114,7 @@ class KVLayer(CacheLayerMixin):
     # -- storage ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        self.device, self.dtype = key_states.device, key_states.dtype
+        self.device = key_states.device
         self.keys = key_states.new_empty(b, h, 0, d)
         self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
         self.meta = {
