@@ -41,7 +41,7 @@ class TovaLayer(KVLayer):
 
 class MergeLayer(HeavyHitterLayer):
     def extra_meta(self) -> dict[str, torch.dtype]:
-        return {"score": torch.float32, "weight": torch.float32}
+        return {**super().extra_meta(), "weight": torch.float32}  # tokens folded into each slot
 
     def initial_meta(self, name: str) -> float:
         return 1.0 if name == "weight" else 0.0
