@@ -10,6 +10,7 @@ from infinikv.errors import InfinikvError
 from infinikv.models import default_policy_spec
 from infinikv.policies.base import Budget
 from infinikv.policies.bct import RULES, TovaLayer, parse_bytes
+from infinikv.rope import evicted_before, rotate
 
 RULE_NAMES = list(RULES)
 
@@ -188,3 +189,56 @@ def test_load_model_with_a_capacity():
     assert default_policy_spec(built) == {"policy": "bct", "capacity": 32, "update_rule": "tova"}
     with pytest.raises(InfinikvError, match="capacity"):
         load_model("smollm2-135m", kv_capacity=0)
+
+
+def test_rotations_compose_and_evictions_are_counted_per_row():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    x = torch.randn(2, 3, 5, 16)
+    twice = rotate(rotate(x, torch.tensor(30000), inv_freq), torch.tensor(-29993), inv_freq)
+    assert torch.allclose(twice, rotate(x, torch.tensor(7), inv_freq), atol=1e-4)
+    position = torch.tensor([[[0, 5, 2, 9, 4]]])
+    evicted = torch.tensor([[[False, True, False, False, True]]])
+    assert evicted_before(position, evicted).tolist() == [[[0, 1, 0, 2, 0]]]
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@torch.inference_mode()
+def test_rank_positions_renumber_the_kept_keys(tiny, rule):
+    """Every kept key of every row sits at its rank among the kept tokens of that row."""
+    cache = make_policy("bct", capacity=24, update_rule=rule, positions="rank").make_cache(tiny)
+    ids = torch.randint(0, 128, (2, 140))
+    tiny(input_ids=ids[:, :60], cache=cache, use_cache=True)
+    for step in range(60, 140):
+        tiny(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+    for layer in cache.layers:
+        valid = layer.meta["valid"][:, :, : layer.used]
+        rank = layer.meta["position"][:, :, : layer.used] - layer.meta["shift"][:, :, : layer.used]
+        for row, kept in zip(rank.flatten(0, 1), valid.flatten(0, 1), strict=True):
+            assert sorted(row[kept].tolist()) == list(range(24))
+
+
+@torch.inference_mode()
+def test_rank_positions_attend_as_if_the_kept_tokens_were_the_whole_text(tiny):
+    """Layer 0 sees token embeddings only, so after evictions its attention output for a new token
+    must equal a fresh run over just the kept tokens at positions 0..n (the query right after)."""
+    cache = make_policy("bct", capacity=16, update_rule="sink-recent", positions="rank").make_cache(tiny)
+    ids = torch.randint(0, 128, (1, 61))
+    for step in range(60):
+        tiny(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    kept = layer.meta["position"][0, 0, : layer.used][layer.meta["valid"][0, 0, : layer.used]].sort().values
+    assert kept[-1] == 59 and layer.meta["shift"].max() > 0  # evictions happened
+    outputs = []
+    hook = tiny.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: outputs.append(out[0][:, -1]))
+    try:
+        tiny(input_ids=ids[:, 60:61], cache=cache, use_cache=True)
+        tiny(input_ids=torch.cat([ids[:, kept], ids[:, 60:61]], dim=1))  # plain positions 0..16
+        original = make_policy("bct", capacity=16, update_rule="sink-recent", positions="original").make_cache(tiny)
+        for step in range(61):
+            tiny(input_ids=ids[:, step : step + 1], cache=original, use_cache=True)
+    finally:
+        hook.remove()
+    repositioned, reference, kept_positions = outputs[0], outputs[1], outputs[-1]
+    scale = reference.abs().max()
+    assert (repositioned - reference).abs().max() < 1e-4 * scale
+    assert (kept_positions - reference).abs().max() > 2e-3 * scale  # the test can tell them apart

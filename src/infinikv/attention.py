@@ -121,6 +121,7 @@ def infinikv_attention(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     started = time.perf_counter()
     kv_layer.admit(new_token_validity(attention_mask, query.shape[2], query.shape[0]))
+    query, key = kv_layer.positioned(query, key)
     bias = kv_layer.logit_bias()
     if kv_layer.starts_clean() and bias is None and not kv_layer.observes_attention:
         # a first chunk without padding: plain causal attention, SDPA's fast path

@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import InfinikvError
+from ..rope import evicted_before, rotate
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class KVLayer(CacheLayerMixin):
         self.trace: list[tuple[int, int, float]] = []  # per forward: (q, seen, keys attended)
         self.clock: dict[str, float] = defaultdict(float)  # seconds spent per phase (see bench speed)
         self.peak_bytes = 0
+        # RoPE frequencies when kept keys are renumbered by rank (bct --positions rank), else None
+        self.inv_freq: torch.Tensor | None = None
 
     # -- storage ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -120,6 +123,8 @@ class KVLayer(CacheLayerMixin):
         self.meta = {
             "valid": torch.zeros(b, h, 0, dtype=torch.bool, device=self.device),
             "position": torch.zeros(b, h, 0, dtype=torch.long, device=self.device),
+            # evicted tokens older than the slot's: its rank among kept tokens is position - shift
+            **({"shift": torch.zeros(b, h, 0, dtype=torch.long, device=self.device)} if self.repositions else {}),
             **{
                 name: torch.zeros(b, h, 0, dtype=dtype, device=self.device) for name, dtype in self.extra_meta().items()
             },
@@ -252,6 +257,30 @@ class KVLayer(CacheLayerMixin):
         visible[:, :, :, self.used :] |= torch.eye(q, dtype=torch.bool, device=self.device)
         return visible
 
+    @property
+    def repositions(self) -> bool:
+        return self.inv_freq is not None
+
+    def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (b, H, q, d) and keys (b, h, L, d) to attend with.
+
+        Unchanged unless the layer repositions: then each key sits at its rank among the kept
+        tokens and each query right after them, so positions never outgrow the capacity (see
+        ``infinikv.rope``). Without eviction both are returned as they are, bit for bit.
+        """
+        if not self.repositions:
+            return query, key
+        length = self.used + self.pending
+        evicted = self.real_seen[:, None] - self.meta["valid"][:, :, :length].sum(-1)  # (b, h)
+        shift = self.meta["shift"][:, :, :length]
+        shift[:, :, self.used :] = evicted[..., None]  # every evicted token is older than a new one
+        if not bool(evicted.any()):
+            return query, key
+        b, n_heads, q, d = query.shape
+        n_kv = key.shape[1]
+        moved_query = rotate(query.reshape(b, n_kv, -1, q, d), -evicted[:, :, None, None], self.inv_freq)
+        return moved_query.reshape(b, n_heads, q, d), rotate(key, -shift, self.inv_freq)
+
     def speculate(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Called as the *previous* layer's attention starts, with its input ``x`` (b, q, D) and
         the RoPE ``(cos, sin)``: a layer that fetches ahead (InfiniGen) starts its fetch here."""
@@ -287,7 +316,11 @@ class KVLayer(CacheLayerMixin):
             if bool((valid.sum(-1) > capacity[:, None]).any()):
                 priority = self.priority(length, capacity).masked_fill(~valid, -math.inf)
                 rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-                self.evict(valid & (rank < capacity[:, None, None]))
+                keep = valid & (rank < capacity[:, None, None])
+                if self.repositions:
+                    position = self.meta["position"][:, :, :length]
+                    self.meta["shift"][:, :, :length] += evicted_before(position, valid & ~keep)
+                self.evict(keep)
         if self._storage is not None:
             self._unstage()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import InfinikvError
+from ..rope import rotary_inv_freq
 from . import register
 from .base import Budget, KVCache, KVLayer, Option, Policy
 from .h2o import HeavyHitterLayer
@@ -83,6 +84,7 @@ RULES: dict[str, type[KVLayer]] = {
     "merge": MergeLayer,
 }
 DEFAULT_RULE = "heavy-hitter"
+POSITIONS = ("auto", "rank", "original")
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -124,6 +126,14 @@ class BoundedCache(Policy):
         Option("kv_memory", str, "", "total K/V bytes for all layers, e.g. 64MiB (sets the capacity)"),
         Option("sinks", int, 4, "sink tokens for the sink-recent rule, >= 0", lambda n: n >= 0),
         Option("recent_ratio", float, 0.5, "recent share for heavy-hitter/merge, in [0, 1]", lambda r: 0 <= r <= 1),
+        Option(
+            "positions",
+            str,
+            "auto",
+            "rank: kept keys renumbered 0..capacity-1 so positions never outgrow the trained range "
+            "(RoPE models); original: each key keeps the position it was seen at; auto: rank where RoPE",
+            lambda p: p in POSITIONS,
+        ),
     )
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
@@ -160,7 +170,14 @@ class BoundedCache(Policy):
 
     def make_cache(self, model: torch.nn.Module) -> KVCache:
         self.resolved = self.resolve(model.config)
-        return KVCache([self.make_layer(i, self.resolved) for i in range(model.config.num_hidden_layers)], self)
+        layers = [self.make_layer(i, self.resolved) for i in range(model.config.num_hidden_layers)]
+        inv_freq = rotary_inv_freq(model) if self.params["positions"] != "original" else None
+        if inv_freq is None and self.params["positions"] == "rank":
+            raise InfinikvError("bct --positions rank renumbers RoPE keys, and this model has no RoPE")
+        self.resolved_positions = "original" if inv_freq is None else "rank"
+        for layer in layers:
+            layer.inv_freq = inv_freq
+        return KVCache(layers, self)
 
     def describe(self) -> dict[str, Any]:
         budget = self.resolved or self.budget
@@ -171,5 +188,6 @@ class BoundedCache(Policy):
             "capacity": budget.tokens if budget else None,
             "update_rule": rule,
             "kv_memory": self.params["kv_memory"] or None,
+            "positions": getattr(self, "resolved_positions", self.params["positions"]),
             **{name: self.params[name] for name in RULE_OPTIONS[rule]},
         }
