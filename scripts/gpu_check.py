@@ -3,7 +3,8 @@
 Writes gpu_check.json (and prints it) under $OUT when set, else the current folder:
 - exactness: infinigen with alpha = inf against full (max |logit diff|);
 - decode tokens/s for full (KV on the device), offload and infinigen, per context;
-- prefetch overlap: decode ms/step of infinigen and offload with and without overlap.
+- prefetch overlap: decode ms/step of infinigen and offload with and without overlap;
+- the peer: transformers' DynamicCache with and without offloading=True (its own prefetch).
 Usage: python scripts/gpu_check.py [--device cuda] [--contexts 4096,16384,32768] [--steps 16]
 """
 
@@ -15,14 +16,20 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from infinikv import load_model, make_policy
 from infinikv.bench.speed import bench_speed, prefill
 from infinikv.data import load_text
 
 
-def decode_ms(model, ids, policy, context: int, steps: int, device) -> float:
-    cache = prefill(model, ids[:, :context], policy)
+def decode_ms(model, ids, policy, context: int, steps: int, device, cache=None) -> float:
+    """Median ms per decode step after a ``context`` prefill, under ``policy`` or in ``cache``."""
+    if cache is None:
+        cache = prefill(model, ids[:, :context], policy)
+    else:
+        for begin in range(0, context, 1024):
+            model(input_ids=ids[:, begin : min(begin + 1024, context)], cache=cache, use_cache=True, logits_to_keep=1)
     times = []
     for step in range(steps):
         torch.cuda.synchronize() if device.type == "cuda" else None
@@ -72,6 +79,16 @@ def main() -> None:
         for name in ("offload", "infinigen")
         for context in contexts[:2]
     ]
+    report["transformers_offloading_peer"] = []  # DynamicCache(offloading=True): whole layers, one ahead
+    for context in contexts[:2]:
+        row = {"context": context}
+        for name, offloading in (("dynamic_ms", False), ("dynamic_offloading_ms", True)):
+            try:
+                cache = DynamicCache(config=model.config, offloading=offloading)
+                row[name] = decode_ms(model, ids, None, context, args.steps, device, cache=cache)
+            except Exception as error:  # a peer's limitation is a result, not a crash of the check
+                row[name] = f"failed: {type(error).__name__}: {error}"
+        report["transformers_offloading_peer"].append(row)
     out = Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
