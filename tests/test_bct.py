@@ -10,7 +10,7 @@ from infinikv.errors import InfinikvError
 from infinikv.models import default_policy_spec
 from infinikv.policies.base import Budget
 from infinikv.policies.bct import RULES, TovaLayer, parse_bytes
-from infinikv.rope import evicted_before, rotate
+from infinikv.rope import RotaryTable, evicted_before, rotate
 
 RULE_NAMES = list(RULES)
 
@@ -193,9 +193,17 @@ def test_load_model_with_a_capacity():
 
 def test_rotations_compose_and_evictions_are_counted_per_row():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    x = torch.randn(2, 3, 5, 16)
-    twice = rotate(rotate(x, torch.tensor(30000), inv_freq), torch.tensor(-29993), inv_freq)
-    assert torch.allclose(twice, rotate(x, torch.tensor(7), inv_freq), atol=1e-4)
+    table = RotaryTable(inv_freq)
+    offsets = torch.tensor([0, 7, 1023, 1024, 30000, 30007])
+    cos, sin = table(offsets)
+    angles = offsets[:, None].double() * inv_freq.double()
+    assert torch.allclose(cos.double(), angles.cos(), atol=1e-6) and torch.allclose(
+        sin.double(), angles.sin(), atol=1e-6
+    )
+    x = torch.randn(5, 16)
+    forth = rotate(x, cos[4], sin[4])
+    assert torch.allclose(rotate(forth, cos[4], -sin[4]), x, atol=1e-5)  # R(-a) R(a) = 1
+    assert torch.allclose(rotate(rotate(x, cos[1], sin[1]), cos[4], sin[4]), rotate(x, cos[5], sin[5]), atol=1e-4)
     position = torch.tensor([[[0, 5, 2, 9, 4]]])
     evicted = torch.tensor([[[False, True, False, False, True]]])
     assert evicted_before(position, evicted).tolist() == [[[0, 1, 0, 2, 0]]]

@@ -22,18 +22,49 @@ def rotary_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def rotate(x: torch.Tensor, offsets: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Move RoPE-rotated vectors by ``offsets`` positions: ``R(offset) x``.
+class RotaryTable:
+    """cos and sin of ``offset x inv_freq`` for any offset >= 0, without trigonometry per step.
 
-    x (..., d); offsets (...) integers broadcastable to ``x.shape[:-1]``; inv_freq (d/2,). Uses
-    transformers' pairing (dimension i with i + d/2). Angles are formed in float64 because
-    offsets reach tens of thousands, where float32 would lose the phase of the fast pairs.
+    An offset is split as ``high x 1024 + low`` and the two angles are added with the sum
+    formulas, from a fixed table of 1,024 low rows and a table of high rows that grows with the
+    largest offset seen (O(sqrt) of the stream, a few KiB at 32k tokens). Both tables are formed
+    in float64, so large offsets keep the phase of the fast pairs. One table serves every layer.
     """
-    angles = offsets[..., None].double() * inv_freq.to(device=offsets.device, dtype=torch.float64)
-    angles = torch.cat([angles, angles], dim=-1)
+
+    LOW = 1024
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq.double()
+        self.low = self._cos_sin(torch.arange(self.LOW, dtype=torch.float64, device=inv_freq.device))
+        self.high = self._cos_sin(torch.zeros(1, dtype=torch.float64, device=inv_freq.device))
+
+    def _cos_sin(self, angles_of: torch.Tensor) -> torch.Tensor:
+        angles = angles_of[:, None] * self.inv_freq  # (n, d/2)
+        return torch.stack([angles.cos(), angles.sin()]).float()  # (2, n, d/2)
+
+    def __call__(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """offsets (...) long >= 0 -> (cos, sin), each (..., d/2)."""
+        high, low = offsets.div(self.LOW, rounding_mode="floor"), offsets.remainder(self.LOW)
+        rows = int(high.max()) + 1
+        if rows > self.high.shape[1]:
+            grown = max(rows, 2 * self.high.shape[1])
+            steps = torch.arange(grown, dtype=torch.float64, device=self.inv_freq.device) * self.LOW
+            self.high = self._cos_sin(steps)
+        cos_low, sin_low = self.low[0][low], self.low[1][low]
+        cos_high, sin_high = self.high[0][high], self.high[1][high]
+        return cos_low * cos_high - sin_low * sin_high, sin_low * cos_high + cos_low * sin_high
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE vectors by the angles whose cos and sin are given: ``R(angle) x``.
+
+    x (..., d); cos/sin (..., d/2) broadcastable to x's leading dims. Uses transformers'
+    pairing (dimension i with i + d/2); rotating by -a is ``rotate(x, cos, -sin)``.
+    """
     half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * angles.cos().to(x.dtype) + rotated_half * angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
 def evicted_before(position: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:

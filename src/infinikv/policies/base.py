@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import InfinikvError
-from ..rope import evicted_before, rotate
+from ..rope import RotaryTable, evicted_before, rotate
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ class KVLayer(CacheLayerMixin):
         self.trace: list[tuple[int, int, float]] = []  # per forward: (q, seen, keys attended)
         self.clock: dict[str, float] = defaultdict(float)  # seconds spent per phase (see bench speed)
         self.peak_bytes = 0
-        # RoPE frequencies when kept keys are renumbered by rank (bct --positions rank), else None
-        self.inv_freq: torch.Tensor | None = None
+        # RoPE angles when kept keys are renumbered by rank (bct --positions rank), else None
+        self.rotary: RotaryTable | None = None
 
     # -- storage ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -259,7 +259,7 @@ class KVLayer(CacheLayerMixin):
 
     @property
     def repositions(self) -> bool:
-        return self.inv_freq is not None
+        return self.rotary is not None
 
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries (b, H, q, d) and keys (b, h, L, d) to attend with.
@@ -278,8 +278,10 @@ class KVLayer(CacheLayerMixin):
             return query, key
         b, n_heads, q, d = query.shape
         n_kv = key.shape[1]
-        moved_query = rotate(query.reshape(b, n_kv, -1, q, d), -evicted[:, :, None, None], self.inv_freq)
-        return moved_query.reshape(b, n_heads, q, d), rotate(key, -shift, self.inv_freq)
+        cos, sin = self.rotary(evicted[:, :, None, None])  # the queries move back by the evictions
+        moved_query = rotate(query.reshape(b, n_kv, -1, q, d), cos, -sin).reshape(b, n_heads, q, d)
+        cos, sin = self.rotary(shift)
+        return moved_query, rotate(key, cos, -sin)
 
     def speculate(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Called as the *previous* layer's attention starts, with its input ``x`` (b, q, D) and

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import InfinikvError
-from ..rope import rotary_inv_freq
+from ..rope import RotaryTable, rotary_inv_freq
 from . import register
 from .base import Budget, KVCache, KVLayer, Option, Policy
 from .h2o import HeavyHitterLayer
@@ -175,8 +175,9 @@ class BoundedCache(Policy):
         if inv_freq is None and self.params["positions"] == "rank":
             raise InfinikvError("bct --positions rank renumbers RoPE keys, and this model has no RoPE")
         self.resolved_positions = "original" if inv_freq is None else "rank"
+        rotary = None if inv_freq is None else RotaryTable(inv_freq)
         for layer in layers:
-            layer.inv_freq = inv_freq
+            layer.rotary = rotary
         return KVCache(layers, self)
 
     def describe(self) -> dict[str, Any]:
