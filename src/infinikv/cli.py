@@ -344,12 +344,12 @@ def cmd_eval_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_speed(args: argparse.Namespace) -> int:
-    from .bench.speed import bench_speed
+    from .bench.speed import bench_speed, triad_bandwidth
 
     policies = _grid(args)
     contexts = [int(c) for c in _floats(args.contexts, "--contexts")]
-    if not contexts or min(contexts) < 1 or args.steps < 1:
-        raise InfinikvError("--contexts must be positive token counts and --steps at least 1")
+    if not contexts or min(contexts) < 1 or args.steps < 1 or args.prefill_chunk < 1:
+        raise InfinikvError("--contexts must be positive token counts, --steps and --prefill-chunk at least 1")
     if args.device.startswith("cuda") and not torch_cuda_available():
         raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
     text = data.load_text(args.text)
@@ -358,18 +358,42 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     ids = tokenizer(text[: need * 8], return_tensors="pt").input_ids[:, :need]
     if ids.shape[1] < need:
         raise InfinikvError(f"{args.text} has fewer than the {need} tokens the longest context needs")
+    bandwidth = triad_bandwidth(args.device)
+    out = _results_file(args, "speed")
+    print(
+        f"speed: contexts {contexts}, {args.steps} steps; triad bandwidth {bandwidth / 1e9:.1f} GB/s; results -> {out}",
+        file=sys.stderr,
+    )
     rows = []
-    for row in bench_speed(model, ids, policies, contexts, steps=args.steps, progress=not args.quiet):
+    cells = bench_speed(
+        model,
+        ids,
+        policies,
+        contexts,
+        args.steps,
+        progress=not args.quiet,
+        bandwidth=bandwidth,
+        chunk=args.prefill_chunk,
+    )
+    for row in cells:  # a context's cells finish together (they are interleaved): save each as it lands
+        row["text"] = args.text
         rows.append(row)
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
-    columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("KV MiB", 8), ("RSS MiB", 8)
+    if args.plot:
+        from .bench.plots import speed_plot
+
+        print(f"plot -> {speed_plot(rows, Path(args.plot))}", file=sys.stderr)
+    columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("floor ms", 9), ("eff.", 6), ("KV MiB", 8), ("RSS MiB", 8)
     print(f"{'context':>8} {'policy':<18} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for r in rows:
         ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
         print(
             f"{r['context']:>8} {_policy_label(r):<18} {_budget_label(r):>8} {r['ms_per_step']:>9.1f} "
-            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['kv_bytes'] / 2**20:>8.1f} {r['rss_bytes'] / 2**20:>8.0f}"
+            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
+            f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
         )
     print("\nwhere a decode step goes (mean ms): speculate / fetch not hidden by overlap / attend / rest")
     for r in rows:
@@ -544,7 +568,10 @@ def build_parser() -> Parser:
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
     p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward (memory at 32k)")
     p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--plot", help="write a PNG of ms per step (and its floor) and the ratio to full by context")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_bench_speed)

@@ -8,6 +8,7 @@ past dequantized; the tokens of the current forward attend in full precision, as
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -97,6 +98,7 @@ class QuantLayer(KVLayer):
         self.bits, self.scratch = bits, scratch
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        started = time.perf_counter()
         group = group_size(key_states.shape[-1])
         pk, k_scale, k_min = quantize(key_states, self.bits, group)
         pv, v_scale, v_min = quantize(value_states, self.bits, group)
@@ -115,6 +117,7 @@ class QuantLayer(KVLayer):
             dequantize(self.values[:, :, :past], meta["v_scale"], meta["v_min"], self.bits, out=values[:, :, :past])
         keys[:, :, past:] = key_states  # the current forward's tokens attend in full precision
         values[:, :, past:] = value_states
+        self.clock["quantize"] += time.perf_counter() - started  # (de)quantizing, for bench speed
         return keys, values
 
     def bytes_per_slot(self) -> int:
