@@ -405,6 +405,65 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .bench import plan as planner
+
+    gpu = planner.preset(planner.GPU_PRESETS, args.gpu, "GPU")
+    if args.model:
+        folder = models.bundled_folder(args.model) if args.model in models.BUNDLED else Path(args.model)
+        shape = planner.shape_from_config(folder)
+    else:
+        shape = planner.preset(planner.MODEL_PRESETS, args.model_preset, "model")
+    for flag, value in (("--fetch-fraction", args.fetch_fraction), ("--h2o-budget", args.h2o_budget)):
+        if value is not None and not 0 < value <= 1:
+            raise InfinikvError(f"{flag} must be in (0, 1], got {value}")
+    measured = planner.fractions_from_bench(planner.read_rows(args.from_json), args.context) if args.from_json else {}
+    fractions = {}
+    for name, given, default in (
+        ("infinigen", args.fetch_fraction, planner.DEFAULT_FETCH),
+        ("h2o", args.h2o_budget, planner.DEFAULT_H2O),
+    ):
+        fractions[name] = (given, "given") if given is not None else measured.get(name, (default, "default"))
+    rows = planner.plan(
+        shape,
+        gpu,
+        args.host_memory,
+        args.batch,
+        args.context,
+        fetch=fractions["infinigen"][0],
+        h2o=fractions["h2o"][0],
+        kv_on_host=args.kv_on_host,
+    )
+    if args.json:
+        setting = {"model": shape.name, "gpu": args.gpu, "host_gb": args.host_memory, "batch": args.batch}
+        fractions_json = {k: {"fraction": v, "source": src} for k, (v, src) in fractions.items()}
+        print(json.dumps({"projection": True, **setting, "context": args.context, "fractions": fractions_json,
+                          "policies": rows}, indent=2))  # fmt: skip
+        return 0
+    kv = args.batch * args.context * shape.kv_bytes_per_token()
+    print(
+        f"PROJECTION (a cost model, not a measurement): {shape.name} ({shape.params() / 1e9:.2f} B params, "
+        f"{shape.params() * planner.DTYPE_BYTES / 1e9:.1f} GB fp16) on {gpu.name}, host {args.host_memory:g} GB, "
+        f"batch {args.batch}, context {args.context}"
+    )
+    print(
+        f"K/V fp16: {kv / 1e9:.1f} GB ({shape.kv_bytes_per_token() / 1e3:.1f} KB per token); "
+        + ", ".join(
+            f"{k} {'fetch' if k == 'infinigen' else 'keep'} {v:.3f} ({src})" for k, (v, src) in fractions.items()
+        )
+    )
+    print(
+        f"{'policy':<10} {'tok/s':>8} {'bound by':<11} {'K/V on':<6} {'GPU GB':>7} {'host GB':>8} {'PCIe GB/step':>13}"
+    )
+    for r in rows:
+        speed = f"{r['tokens_per_second']:.2f}" if r["fits"] else "no fit"
+        print(
+            f"{r['policy']:<10} {speed:>8} {r['bound']:<11} {'GPU' if r['kv_on_gpu'] else 'host':<6} "
+            f"{r['gpu_bytes'] / 1e9:>7.1f} {r['host_bytes'] / 1e9:>8.1f} {r['link_bytes_per_step'] / 1e9:>13.2f}"
+        )
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from .policies.infinigen import prepare
 
@@ -575,6 +634,23 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_bench_speed)
+
+    p = sub.add_parser("plan", help="project decode tokens/s of offloading policies on a GPU (a cost model)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model-preset", default="opt-13b", help="opt-6.7b, opt-13b (default), opt-30b, llama-2-7b, llama-2-13b"
+    )
+    source.add_argument("--model", help="a config.json, a model folder or a bundled model name instead of a preset")
+    p.add_argument("--gpu", default="a6000", help="a6000 (default; 48 GB, PCIe 3.0 x16), h100 or h200 (PCIe 5.0 x16)")
+    p.add_argument("--host-memory", type=float, default=96, help="host memory in GB (default 96, the paper's)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048, help="tokens per sequence (prompt + generated)")
+    p.add_argument("--from", dest="from_json", help="bench speed JSON: take InfiniGen's and H2O's fractions from it")
+    p.add_argument("--fetch-fraction", type=float, help="InfiniGen's fetched share of the tokens (overrides --from)")
+    p.add_argument("--h2o-budget", type=float, help="H2O's kept share of the tokens (overrides --from)")
+    p.add_argument("--kv-on-host", action="store_true", help="keep every K/V on the host, as in the paper's runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
 
     for name, fn, fetch_help in [
         ("models", cmd_models, "install and convert the bundled model"),
