@@ -375,3 +375,47 @@ def test_prepare_warns_about_the_calibration_text(capsys, tmp_path):
         str(tmp_path / "r.jsonl"),
     )
     assert code == 0 and "calibrated on jargon" in err
+
+
+def test_bench_quality_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
+    out_file = tmp_path / "quality.json"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "quality",
+        "--model",
+        str(tiny_folder),
+        "--context",
+        "64",
+        "--continuation",
+        "8",
+        "--needle-context",
+        "120",
+        "--needles",
+        "3",
+        "--policies",
+        "full,sink,quant,bct",
+        "--budgets",
+        "0.1,0.5",
+        "--json",
+        str(out_file),
+        "--out",
+        str(tmp_path / "quality.jsonl"),
+        "--plot-dir",
+        str(tmp_path / "plots"),
+        "--quiet",
+    )
+    rows = json.loads(out_file.read_text())
+    cells = [("full", None), ("sink", 0.1), ("sink", 0.5), ("quant", None), ("bct", 0.1), ("bct", 0.5)]
+    assert code == 0 and [(r["protocol"], r["policy"], r["budget"]) for r in rows] == [
+        (protocol, p, b) for protocol in ("P-ctx", "P-needle") for p, b in cells
+    ]
+    assert len((tmp_path / "quality.jsonl").read_text().splitlines()) == 12
+    for row in rows[:6]:
+        assert row["perplexity"] > 1 and 0 < row["attended_fraction"] <= 1 and row["context"] == 64
+    for row in rows[6:]:
+        assert 0 <= row["accuracy"] <= 1 and [c["depth"] for c in row["cases"]] == [0.1, 0.5, 0.9]
+    assert rows[1]["attended_fraction"] < rows[2]["attended_fraction"] < rows[0]["attended_fraction"] == 1
+    for name in ("quality-ppl.png", "quality-needle.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 10_000
+    assert "vs full" in out and "depths hit" in out

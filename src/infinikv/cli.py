@@ -294,10 +294,58 @@ def cmd_eval_needle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'policy':<18} {'budget':>8} {'accuracy':>9}  depths hit")
+    print(_needle_table(rows))
+    return 0
+
+
+def _needle_table(rows: list[dict]) -> str:
+    lines = [f"{'policy':<18} {'budget':>8} {'accuracy':>9}  depths hit"]
     for r in rows:
         hits = " ".join(f"{c['depth']:.2f}" if c["hit"] else "  -  " for c in r["cases"])
-        print(f"{_policy_label(r):<18} {_budget_label(r):>8} {r['accuracy']:>9.2f}  {hits}")
+        lines.append(f"{_policy_label(r):<18} {_budget_label(r):>8} {r['accuracy']:>9.2f}  {hits}")
+    return "\n".join(lines)
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from .bench.plots import needle_heatmap, perplexity_plot
+    from .eval.needle import needle_accuracy, needle_cases
+    from .eval.ppl import context_tokens, perplexity
+
+    policies = _grid(args)
+    if args.needles < 0:
+        raise InfinikvError("--needles must be at least 0 (0 skips P-needle)")
+    model, tokenizer = models.load_model(args.model)
+    ids = context_tokens(tokenizer, data.load_text(args.text, from_chapter_one=True), args.context, args.continuation)
+    haystack = data.load_text(args.needle_text, from_chapter_one=True) if args.needles else ""
+    cases = needle_cases(tokenizer, haystack, args.needle_context, args.needles, args.seed) if args.needles else []
+    _check_calibration(policies, model, args.text)
+    out = _results_file(args, "quality")
+    print(f"quality: P-ctx on {args.text}, P-needle on {args.needle_text}; results -> {out}", file=sys.stderr)
+    rows = _run_cells(
+        policies,
+        lambda p: perplexity(model, ids, p, args.context, not args.quiet),
+        out,
+        "perplexity",
+        {"protocol": "P-ctx", "text": args.text},
+    )
+    needles = _run_cells(
+        policies if cases else [],
+        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
+        out,
+        "accuracy",
+        {"protocol": "P-needle", "text": args.needle_text},
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows + needles, indent=2))
+    if args.plot_dir:
+        plots = [perplexity_plot(rows, Path(args.plot_dir) / "quality-ppl.png")]
+        if needles:
+            plots.append(needle_heatmap(needles, Path(args.plot_dir) / "quality-needle.png"))
+        print(f"plots -> {', '.join(map(str, plots))}", file=sys.stderr)
+    print(_table(rows, next((r["perplexity"] for r in rows if r["policy"] == "full"), None)))
+    if needles:
+        print()
+        print(_needle_table(needles))
     return 0
 
 
@@ -621,6 +669,22 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=Parser)
+    p = bench.add_parser("quality", help="P-ctx perplexity vs budget and the P-needle grid, every policy")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
+    p.add_argument("--text", default="austen:emma", help="P-ctx text (default austen:emma)")
+    p.add_argument("--context", type=int, default=4096, help="P-ctx context tokens")
+    p.add_argument("--continuation", type=int, default=512, help="P-ctx tokens scored")
+    p.add_argument("--needle-text", default="austen:prideprejudice", help="P-needle haystack")
+    p.add_argument("--needle-context", type=int, default=4096)
+    p.add_argument("--needles", type=int, default=12, help="pass keys at depths 10..90%% (0 skips P-needle)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    p.add_argument("--json", help="write every result (P-ctx and P-needle rows) to this JSON file")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--plot-dir", help="write quality-ppl.png (curves) and quality-needle.png (heatmap) here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_bench_quality, policies=",".join(policy_names()), budgets="0.05,0.1,0.2,0.5")
+
     p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
     p.add_argument("--model", default=models.DEFAULT_MODEL)
     p.add_argument("--text", default="austen:all")

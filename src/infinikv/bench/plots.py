@@ -79,6 +79,9 @@ def perplexity_plot(rows: list[dict], out: Path) -> Path:
             if not r.get("budget") and not r.get("capacity"):
                 axis.axhline(r["perplexity"], color=color, linestyle="--", linewidth=1, label=f"{name} (no budget)")
     axis.set_xscale("log")
+    ticks = sorted({r["budget"] for r in rows if r.get("budget")})
+    axis.set_xticks(ticks, [f"{b:g}" for b in ticks])
+    axis.minorticks_off()
     axis.set_xlabel("budget (fraction of the tokens seen)")
     axis.set_ylabel(f"P-ctx perplexity ({rows[0]['context']} + {rows[0]['continuation']} tokens)")
     axis.grid(alpha=0.3)
@@ -92,10 +95,10 @@ def needle_heatmap(rows: list[dict], out: Path) -> Path:
     names = [budget_label(r) for r in rows]
     depths = [c["depth"] for c in rows[0]["cases"]]
     hits = [[float(c["hit"]) for c in r["cases"]] for r in rows]
-    fig, axis = plt.subplots(figsize=(1.2 + 0.6 * len(depths), 1.2 + 0.35 * len(rows)))
+    fig, axis = plt.subplots(figsize=(max(6, 2.5 + 0.5 * len(depths)), 1.5 + 0.35 * len(rows)))
     axis.imshow(hits, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     axis.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths], rotation=90)
     axis.set_yticks(range(len(names)), names)
     axis.set_xlabel("depth of the pass key")
-    axis.set_title(f"P-needle at {rows[0]['context']} tokens (green: found)")
+    axis.set_title(f"P-needle, {rows[0]['context']} tokens: pass key found (green) or not (red)", fontsize=10)
     return _save(fig, out)
