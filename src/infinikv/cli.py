@@ -512,6 +512,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .bench.plan import read_rows
+    from .bench.report import latest, write_report
+
+    results = home() / "results"
+    speed = Path(args.speed) if args.speed else latest(results, "speed")
+    quality = Path(args.quality) if args.quality else latest(results, "quality")
+    if speed is None and quality is None:
+        raise InfinikvError(
+            f"no bench results in {results}: run infinikv bench speed / bench quality, or give --speed/--quality"
+        )
+    sources = [p for p in (speed, quality) if p is not None]
+    out_dir = Path(args.out_dir) / time.strftime("%Y%m%d-%H%M%S")
+    report = write_report(read_rows(speed) if speed else [], read_rows(quality) if quality else [], out_dir, sources)
+    print(report)
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from .policies.infinigen import prepare
 
@@ -698,6 +716,12 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_bench_speed)
+
+    p = sub.add_parser("report", help="one Markdown report with plots from the latest bench speed and quality JSON")
+    p.add_argument("--speed", help="bench speed results (default: the latest in $INFINIKV_HOME/results)")
+    p.add_argument("--quality", help="bench quality results (default: the latest in $INFINIKV_HOME/results)")
+    p.add_argument("--out-dir", default="reports", help="reports go to OUT_DIR/<time>/ (default reports, git-ignored)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plan", help="project decode tokens/s of offloading policies on a GPU (a cost model)")
     source = p.add_mutually_exclusive_group()
