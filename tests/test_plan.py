@@ -46,10 +46,11 @@ def test_opt_13b_on_an_a6000_by_hand():
 
 
 def test_weights_that_do_not_fit_stream_over_the_link():
-    """A toy case in round numbers: 20 GB of weights, a 10 GB GPU (9 GB usable), 10 GB/s link."""
-    model = ModelShape("toy", layers=1, hidden=10_000, heads=100, kv_heads=100, ffn=0, vocab=0, gated_mlp=False,
-                       tied_embeddings=True)  # fmt: skip
-    assert model.params() * 2 == 4 * 10_000**2 * 2 == 800_000_000  # 0.8 GB: scale up with the batch below
+    """A toy case in round numbers: 0.8 GB of weights, a 0.5 GB GPU (0.45 GB usable), a 10 GB/s link."""
+    model = ModelShape(
+        "toy", 1, hidden=10_000, heads=100, kv_heads=100, ffn=0, vocab=0, gated_mlp=False, tied_embeddings=True
+    )
+    assert model.params() * 2 == 4 * 10_000**2 * 2 == 800_000_000
     toy = Gpu("toy", memory_gb=0.5, hbm_gbps=100, link_gbps=10, tflops=1000)
     rows = {r["policy"]: r for r in plan(model, toy, host_gb=100, batch=1, context=1000)}
     # K/V: 1000 tokens x 2 x 10,000 x 2 bytes = 40 MB; GPU room 0.45 GB holds 0.45 of the 0.8 GB of weights

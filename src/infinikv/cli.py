@@ -483,10 +483,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_on_host=args.kv_on_host,
     )
     if args.json:
-        setting = {"model": shape.name, "gpu": args.gpu, "host_gb": args.host_memory, "batch": args.batch}
-        fractions_json = {k: {"fraction": v, "source": src} for k, (v, src) in fractions.items()}
-        print(json.dumps({"projection": True, **setting, "context": args.context, "fractions": fractions_json,
-                          "policies": rows}, indent=2))  # fmt: skip
+        result = {
+            "projection": True,
+            "model": shape.name,
+            "gpu": args.gpu,
+            "host_gb": args.host_memory,
+            "batch": args.batch,
+            "context": args.context,
+            "fractions": {k: {"fraction": v, "source": src} for k, (v, src) in fractions.items()},
+            "policies": rows,
+        }
+        print(json.dumps(result, indent=2))
         return 0
     kv = args.batch * args.context * shape.kv_bytes_per_token()
     print(
