@@ -36,3 +36,28 @@ def tiny():
         max_position_embeddings=512,
     )
     return attach(LlamaForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A saved 2-layer random Llama with the bundled tokenizer: a real ``--model`` folder that
+    runs a whole benchmark in seconds."""
+    from transformers import AutoTokenizer
+
+    from infinikv.models import DEFAULT_MODEL, bundled_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_folder(DEFAULT_MODEL))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

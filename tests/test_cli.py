@@ -231,34 +231,73 @@ def test_eval_stream_with_plot(capsys, tmp_path):
     assert rows[0]["windows"][-1]["kv_bytes"] == 64 * 30 * 2 * 3 * 64 * 4  # bct holds exactly its capacity
 
 
-def test_bench_speed(capsys, tmp_path):
-    out_file = tmp_path / "speed.json"
+SPEED_FIELDS = {
+    "context": int,
+    "policy": str,
+    "ms_per_step": float,
+    "tokens_per_second": float,
+    "peak_rss_bytes": int,
+    "kv_bytes": int,
+    "bytes_moved_per_step": (int, float),
+    "floor_ms_per_step": float,
+    "efficiency": float,
+    "weights_bytes": int,
+    "bandwidth_bytes_per_second": int,
+    "profile_ms": dict,
+}
+
+
+def test_bench_speed_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
+    out_file, plot = tmp_path / "speed.json", tmp_path / "speed.png"
     code, out, _ = run(
         capsys,
         "bench",
         "speed",
+        "--model",
+        str(tiny_folder),
         "--contexts",
         "128,256",
         "--steps",
         "3",
+        "--prefill-chunk",
+        "100",
         "--policies",
-        "full,bct,infinigen",
-        "--capacity",
-        "64",
+        "full,quant,h2o,offload,infinigen",
+        "--budget",
+        "0.25",
         "--json",
         str(out_file),
+        "--out",
+        str(tmp_path / "speed.jsonl"),
+        "--plot",
+        str(plot),
         "--quiet",
     )
     rows = json.loads(out_file.read_text())
-    assert code == 0 and [(r["context"], r["policy"]) for r in rows] == [
-        (c, p) for c in (128, 256) for p in ("full", "bct", "infinigen")
-    ]
+    policies = ("full", "quant", "h2o", "offload", "infinigen")
+    assert code == 0 and [(r["context"], r["policy"]) for r in rows] == [(c, p) for c in (128, 256) for p in policies]
+    assert [json.loads(line) for line in (tmp_path / "speed.jsonl").read_text().splitlines()] == rows
     for row in rows:
-        assert {"context", "policy", "ms_per_step", "ratio_to_full", "kv_bytes", "rss_bytes", "profile_ms"} <= set(row)
-        assert row["profile_ms"]["attend"] > 0
-        assert row["ms_per_step"] > 0
-    assert rows[0]["ratio_to_full"] == 1.0 and "x full" in out and "speculate" in out
-    assert rows[2]["profile_ms"]["speculate"] > 0 and rows[2]["bytes_moved_per_step"] > 0
+        for field, kind in SPEED_FIELDS.items():
+            assert isinstance(row[field], kind), field
+        assert row["ms_per_step"] > 0 and 0 < row["efficiency"] == round(
+            row["floor_ms_per_step"] / row["ms_per_step"], 3
+        )
+        assert row["floor_ms_per_step"] > row["weights_bytes"] / row["bandwidth_bytes_per_second"] * 1000
+        assert row["peak_rss_bytes"] >= row["rss_bytes"] > 0
+    full = {r["context"]: r for r in rows if r["policy"] == "full"}
+    for row in rows:
+        assert row["ratio_to_full"] == round(full[row["context"]]["ms_per_step"] / row["ms_per_step"], 3)
+        reference = full[row["context"]]["kv_bytes"]
+        # quant: head_dim 32 is one group; 4 bits pack its 128 fp32 bytes into 16, plus scale and min (8)
+        expected = {"full": 1, "quant": (16 + 8) / 128, "h2o": 0.25, "offload": 1, "infinigen": 1}[row["policy"]]
+        assert row["kv_bytes"] == pytest.approx(expected * reference, rel=0.03)
+    offload = [r for r in rows if r["policy"] == "offload"]
+    assert all(r["bytes_moved_per_step"] > 0 and r["fetched_fraction"] == 1 for r in offload)
+    # the floor counts the bytes a step touches: less K/V for h2o than full, more traffic for offload
+    by = {(r["context"], r["policy"]): r["floor_ms_per_step"] for r in rows}
+    assert by[256, "h2o"] < by[256, "full"] < by[256, "offload"]
+    assert plot.stat().st_size > 10_000 and "floor ms" in out and "speculate" in out
 
 
 def test_generate_uses_a_built_models_policy(capsys, tmp_path):
@@ -336,3 +375,47 @@ def test_prepare_warns_about_the_calibration_text(capsys, tmp_path):
         str(tmp_path / "r.jsonl"),
     )
     assert code == 0 and "calibrated on jargon" in err
+
+
+def test_bench_quality_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
+    out_file = tmp_path / "quality.json"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "quality",
+        "--model",
+        str(tiny_folder),
+        "--context",
+        "64",
+        "--continuation",
+        "8",
+        "--needle-context",
+        "120",
+        "--needles",
+        "3",
+        "--policies",
+        "full,sink,quant,bct",
+        "--budgets",
+        "0.1,0.5",
+        "--json",
+        str(out_file),
+        "--out",
+        str(tmp_path / "quality.jsonl"),
+        "--plot-dir",
+        str(tmp_path / "plots"),
+        "--quiet",
+    )
+    rows = json.loads(out_file.read_text())
+    cells = [("full", None), ("sink", 0.1), ("sink", 0.5), ("quant", None), ("bct", 0.1), ("bct", 0.5)]
+    assert code == 0 and [(r["protocol"], r["policy"], r["budget"]) for r in rows] == [
+        (protocol, p, b) for protocol in ("P-ctx", "P-needle") for p, b in cells
+    ]
+    assert len((tmp_path / "quality.jsonl").read_text().splitlines()) == 12
+    for row in rows[:6]:
+        assert row["perplexity"] > 1 and 0 < row["attended_fraction"] <= 1 and row["context"] == 64
+    for row in rows[6:]:
+        assert 0 <= row["accuracy"] <= 1 and [c["depth"] for c in row["cases"]] == [0.1, 0.5, 0.9]
+    assert rows[1]["attended_fraction"] < rows[2]["attended_fraction"] < rows[0]["attended_fraction"] == 1
+    for name in ("quality-ppl.png", "quality-needle.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 10_000
+    assert "vs full" in out and "depths hit" in out

@@ -18,11 +18,18 @@ BOUNDED = [name for name in ALL if REGISTRY[name].bounded]
 
 
 EXACT = {"infinigen": dict(alpha=math.inf, max_fetch=1.0)}  # speculation that fetches everything
+# Lossy by design: quant at 8 bits keeps every token but rounds it. Max logit error measured:
+# 0.28 on the real model's 120 tokens of Emma (logits ~20), 0.0009 on the tiny one (logits ~0.7);
+# its own bounds are in test_quant.py.
+LOSSY = {"quant": dict(bits=8)}
+TOLERANCE = {"quant": 0.5}
+TINY_TOLERANCE = {"quant": 0.005}
 
 
 def whole(name: str, model=None):
     """The policy keeping (or fetching) every token of these tests: it must match ``full``."""
-    policy = make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name, **EXACT.get(name, {}))
+    params = {**EXACT, **LOSSY}.get(name, {})
+    policy = make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name, **params)
     if name == "infinigen" and model is not None and not model.name_or_path:  # no folder to prepare it in
         policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
     return policy
@@ -55,7 +62,7 @@ def test_exact_when_the_budget_covers_everything(real, emma_ids, name):
     ids = emma_ids[:, :120]
     reference = forward_loop(model, ids, make_policy("full").make_cache(model), 80, chunk=16)
     ours = forward_loop(model, ids, whole(name).make_cache(model), 80, chunk=16)
-    assert (ours - reference).abs().max() < 1e-4
+    assert (ours - reference).abs().max() < TOLERANCE.get(name, 1e-4)
     if REGISTRY[name].bounded and name != "bct":  # a growing budget: a fraction of 1 keeps everything too
         again = forward_loop(model, ids, make_policy(name, budget=1.0).make_cache(model), 80, chunk=16)
         assert (again - reference).abs().max() < 1e-4
@@ -233,5 +240,5 @@ def test_tiny_model_prefill_then_chunks(tiny, name):
     ids = torch.randint(0, 128, (2, 40))
     reference = forward_loop(tiny, ids, make_policy("full").make_cache(tiny), 20, chunk=7)
     ours = forward_loop(tiny, ids, whole(name, tiny).make_cache(tiny), 20, chunk=7)
-    assert (ours - reference).abs().max() < 1e-5
+    assert (ours - reference).abs().max() < TINY_TOLERANCE.get(name, 1e-5)
     assert math.isfinite(float(ours.abs().max()))

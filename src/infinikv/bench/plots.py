@@ -1,0 +1,104 @@
+"""PNG plots drawn from result rows alone (the bench JSON), so a report can redraw them later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LABEL_PARAMS = ("update_rule", "bits", "alpha")  # the parameters that tell two cells of a policy apart
+
+
+def label(row: dict) -> str:
+    """A policy's name with the parameters that distinguish it, e.g. ``quant bits=4``."""
+    extra = " ".join(
+        f"{k}={row[k]:g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in LABEL_PARAMS if k in row
+    )
+    return f"{row['policy']} {extra}".strip()
+
+
+def budget_label(row: dict) -> str:
+    """``label`` with the budget (a fraction) or capacity (tokens) when the policy has one."""
+    if row.get("budget"):
+        return f"{label(row)} {row['budget']:g}"
+    return f"{label(row)} {row['capacity']}t" if row.get("capacity") else label(row)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    _pyplot().close(fig)
+    return out
+
+
+def speed_plot(rows: list[dict], out: Path) -> Path:
+    """ms per decode step by context, each policy with its floor (dashed), and the ratio to full."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    for i, name in enumerate(dict.fromkeys(budget_label(r) for r in rows)):
+        cells = sorted((r for r in rows if budget_label(r) == name), key=lambda r: r["context"])
+        x = [r["context"] for r in cells]
+        color = f"C{i % 10}"
+        top.plot(x, [r["ms_per_step"] for r in cells], marker="o", color=color, label=name)
+        top.plot(x, [r["floor_ms_per_step"] for r in cells], linestyle="--", color=color, linewidth=1)
+        if all(r.get("ratio_to_full") for r in cells):
+            bottom.plot(x, [r["ratio_to_full"] for r in cells], marker="o", color=color, label=name)
+    top.set_ylabel("ms per decode step (dashed: memory-bandwidth floor)")
+    top.set_yscale("log")
+    bottom.set_ylabel("speed vs full (same run)")
+    bottom.axhline(1.0, color="grey", linewidth=1)
+    bottom.set_xlabel("context (tokens)")
+    bottom.set_xscale("log", base=2)
+    for axis in (top, bottom):
+        axis.grid(alpha=0.3)
+    top.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def perplexity_plot(rows: list[dict], out: Path) -> Path:
+    """P-ctx perplexity vs budget: a curve per bounded policy, a dashed line per unbounded one."""
+    plt = _pyplot()
+    fig, axis = plt.subplots(figsize=(9, 5.5))
+    names = list(dict.fromkeys(label(r) for r in rows))
+    for i, name in enumerate(names):
+        cells = [r for r in rows if label(r) == name]
+        color = f"C{i % 10}"
+        budgets = sorted((r for r in cells if r.get("budget")), key=lambda r: r["budget"])
+        if budgets:
+            axis.plot([r["budget"] for r in budgets], [r["perplexity"] for r in budgets], "o-", color=color, label=name)
+        for r in cells:
+            if not r.get("budget") and not r.get("capacity"):
+                axis.axhline(r["perplexity"], color=color, linestyle="--", linewidth=1, label=f"{name} (no budget)")
+    axis.set_xscale("log")
+    ticks = sorted({r["budget"] for r in rows if r.get("budget")})
+    axis.set_xticks(ticks, [f"{b:g}" for b in ticks])
+    axis.minorticks_off()
+    axis.set_xlabel("budget (fraction of the tokens seen)")
+    axis.set_ylabel(f"P-ctx perplexity ({rows[0]['context']} + {rows[0]['continuation']} tokens)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def needle_heatmap(rows: list[dict], out: Path) -> Path:
+    """P-needle: pass key found (1) or not (0) by depth (columns) and policy/budget (rows)."""
+    plt = _pyplot()
+    names = [budget_label(r) for r in rows]
+    depths = [c["depth"] for c in rows[0]["cases"]]
+    hits = [[float(c["hit"]) for c in r["cases"]] for r in rows]
+    fig, axis = plt.subplots(figsize=(max(6, 2.5 + 0.5 * len(depths)), 1.5 + 0.35 * len(rows)))
+    axis.imshow(hits, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    axis.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths], rotation=90)
+    axis.set_yticks(range(len(names)), names)
+    axis.set_xlabel("depth of the pass key")
+    axis.set_title(f"P-needle, {rows[0]['context']} tokens: pass key found (green) or not (red)", fontsize=10)
+    return _save(fig, out)

@@ -1,0 +1,120 @@
+"""One Markdown report from the bench JSON: the speed table next to its floor, the quality
+tables, and the plots redrawn from the same rows (so the report needs nothing but the JSON)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from .plots import budget_label, label, needle_heatmap, perplexity_plot, speed_plot
+
+
+def latest(folder: Path, kind: str) -> Path | None:
+    """The newest ``<kind>-*.jsonl`` results file in ``folder``, or None."""
+    files = sorted(folder.glob(f"{kind}-*.jsonl"), key=lambda f: f.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def speed_section(rows: list[dict]) -> list[str]:
+    """The speed table (ratios to full, floor, efficiency) and how far each policy is from its floor."""
+    first = rows[0]
+    lines = [
+        "## Speed",
+        "",
+        f"Median ms per decode step, policies interleaved in one process; {first['threads']} threads, STREAM-triad "
+        f"bandwidth {first['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights {_mib(first['weights_bytes'])} MiB. "
+        "The floor is the bytes a step must read (weights, the K/V it attends, and twice what it copies from a "
+        "slow tier) over that bandwidth; efficiency = floor / measured.",
+        "",
+        "| context | policy | ms/step | tokens/s | x full | floor ms | efficiency | KV held MiB | moved MiB/step "
+        "| peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['ratio_to_full']:.2f}" if r.get("ratio_to_full") else "-"
+        lines.append(
+            f"| {r['context']:,} | {budget_label(r)} | {r['ms_per_step']:.1f} | {r['tokens_per_second']:.1f} | {ratio} "
+            f"| {r['floor_ms_per_step']:.1f} | {r['efficiency']:.2f} | {_mib(r['kv_bytes'])} "
+            f"| {_mib(r['bytes_moved_per_step'])} | {r['peak_rss_bytes'] / 2**20:.0f} |"
+        )
+    lines += ["", "How far from the floor (median over contexts):", ""]
+    for name in dict.fromkeys(budget_label(r) for r in rows):
+        eff = statistics.median(r["efficiency"] for r in rows if budget_label(r) == name)
+        lines.append(f"- {name}: {eff:.0%} of the floor's speed ({1 / eff:.1f}x the floor's time)")
+    return [*lines, "", "![speed](speed.png)", ""]
+
+
+def quality_section(rows: list[dict]) -> list[str]:
+    """P-ctx perplexity by policy (rows) and budget (columns); the P-needle hits by depth."""
+    ppl = [r for r in rows if r.get("protocol") == "P-ctx"]
+    needle = [r for r in rows if r.get("protocol") == "P-needle"]
+    lines = []
+    if ppl:
+        full = next((r["perplexity"] for r in ppl if r["policy"] == "full"), None)
+        budgets = sorted({r["budget"] for r in ppl if r.get("budget")})
+        first = ppl[0]
+        lines += [
+            "## Quality: P-ctx",
+            "",
+            f"Perplexity of {first['continuation']} tokens of {first.get('text', '?')} after a "
+            f"{first['context']:,}-token context, by budget (fraction of the tokens seen); policies without a "
+            "budget in the last column" + (" (vs full in brackets)." if full else "."),
+            "",
+            "| policy | " + " | ".join(f"{b:g}" for b in budgets) + " | no budget |",
+            "|---" * (len(budgets) + 2) + "|",
+        ]
+
+        def cell(r: dict | None) -> str:
+            if r is None:
+                return "-"
+            return f"{r['perplexity']:.3f}" + (f" ({100 * (r['perplexity'] / full - 1):+.1f}%)" if full else "")
+
+        for name in dict.fromkeys(label(r) for r in ppl):
+            mine = [r for r in ppl if label(r) == name]
+            by_budget = {r.get("budget"): r for r in mine}
+            cells = [cell(by_budget.get(b)) for b in budgets] + [cell(by_budget.get(None))]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", "![P-ctx perplexity vs budget](quality-ppl.png)", ""]
+    if needle:
+        lines += [
+            "## Quality: P-needle",
+            "",
+            f"Pass keys found in {needle[0]['context']:,} tokens of {needle[0].get('text', '?')}, by depth.",
+            "",
+            "| policy | accuracy | depths found |",
+            "|---|---|---|",
+        ]
+        for r in needle:
+            found = ", ".join(f"{c['depth']:.2f}" for c in r["cases"] if c["hit"]) or "none"
+            lines.append(f"| {budget_label(r)} | {sum(c['hit'] for c in r['cases'])}/{len(r['cases'])} | {found} |")
+        lines += ["", "![P-needle by depth](quality-needle.png)", ""]
+    return lines
+
+
+def write_report(speed: list[dict], quality: list[dict], out_dir: Path, sources: list[Path]) -> Path:
+    """Write ``report.md`` and its plots into ``out_dir``; returns the Markdown file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# infinikv report",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')} from " + ", ".join(f"`{s}`" for s in sources) + ".",
+        "",
+    ]
+    if speed:
+        speed_plot(speed, out_dir / "speed.png")
+        lines += speed_section(speed)
+    ppl = [r for r in quality if r.get("protocol") == "P-ctx"]
+    needle = [r for r in quality if r.get("protocol") == "P-needle"]
+    if ppl:
+        perplexity_plot(ppl, out_dir / "quality-ppl.png")
+    if needle:
+        needle_heatmap(needle, out_dir / "quality-needle.png")
+    lines += quality_section(quality)
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report
