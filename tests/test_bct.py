@@ -250,3 +250,17 @@ def test_rank_positions_attend_as_if_the_kept_tokens_were_the_whole_text(tiny):
     scale = reference.abs().max()
     assert (repositioned - reference).abs().max() < 1e-4 * scale
     assert (kept_positions - reference).abs().max() > 2e-3 * scale  # the test can tell them apart
+
+
+@torch.inference_mode()
+def test_auto_positions_are_original_within_the_trained_context_then_ranks(tiny):
+    """auto = original positions up to max_position_embeddings (512 here), bit for bit; ranks after."""
+    caches = {p: make_policy("bct", capacity=32, positions=p).make_cache(tiny) for p in ("auto", "original")}
+    ids = torch.randint(0, 128, (1, 540))
+    logits = {p: [tiny(input_ids=ids[:, :40], cache=c, use_cache=True).logits[:, -1]] for p, c in caches.items()}
+    for step in range(40, 540):
+        for p, c in caches.items():
+            logits[p].append(tiny(input_ids=ids[:, step : step + 1], cache=c, use_cache=True).logits[:, -1])
+    seen_before = 40 + torch.arange(501)  # tokens seen when each logit row was produced
+    same = torch.tensor([torch.equal(a, o) for a, o in zip(logits["auto"], logits["original"], strict=True)])
+    assert same[seen_before <= 512].all() and not same[seen_before > 512].any()

@@ -113,6 +113,7 @@ class KVLayer(CacheLayerMixin):
         self.peak_bytes = 0
         # RoPE angles when kept keys are renumbered by rank (bct --positions rank), else None
         self.rotary: RotaryTable | None = None
+        self.rank_after = 0  # a sequence uses ranks once it has seen more real tokens than this
 
     # -- storage ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -266,7 +267,8 @@ class KVLayer(CacheLayerMixin):
 
         Unchanged unless the layer repositions: then each key sits at its rank among the kept
         tokens and each query right after them, so positions never outgrow the capacity (see
-        ``infinikv.rope``). Without eviction both are returned as they are, bit for bit.
+        ``infinikv.rope``), in sequences that have seen more than ``rank_after`` tokens. Without
+        eviction, or below that length, both are returned as they are, bit for bit.
         """
         if not self.repositions:
             return query, key
@@ -274,8 +276,10 @@ class KVLayer(CacheLayerMixin):
         evicted = self.real_seen[:, None] - self.meta["valid"][:, :, :length].sum(-1)  # (b, h)
         shift = self.meta["shift"][:, :, :length]
         shift[:, :, self.used :] = evicted[..., None]  # every evicted token is older than a new one
-        if not bool(evicted.any()):
+        ranked = (self.real_seen > self.rank_after)[:, None]  # (b, 1)
+        if not bool((evicted * ranked).any()):
             return query, key
+        evicted, shift = evicted * ranked, shift * ranked[..., None]
         b, n_heads, q, d = query.shape
         n_kv = key.shape[1]
         cos, sin = self.rotary(evicted[:, :, None, None])  # the queries move back by the evictions

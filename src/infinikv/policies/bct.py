@@ -131,7 +131,8 @@ class BoundedCache(Policy):
             str,
             "auto",
             "rank: kept keys renumbered 0..capacity-1 so positions never outgrow the trained range "
-            "(RoPE models); original: each key keeps the position it was seen at; auto: rank where RoPE",
+            "(RoPE models); original: each key keeps the position it was seen at; auto: original "
+            "up to the trained context, rank past it (RoPE models)",
             lambda p: p in POSITIONS,
         ),
     )
@@ -174,10 +175,12 @@ class BoundedCache(Policy):
         inv_freq = rotary_inv_freq(model) if self.params["positions"] != "original" else None
         if inv_freq is None and self.params["positions"] == "rank":
             raise InfinikvError("bct --positions rank renumbers RoPE keys, and this model has no RoPE")
-        self.resolved_positions = "original" if inv_freq is None else "rank"
+        self.resolved_positions = "original" if inv_freq is None else self.params["positions"]
         rotary = None if inv_freq is None else RotaryTable(inv_freq)
+        trained = getattr(model.config, "max_position_embeddings", None) or 0
         for layer in layers:
             layer.rotary = rotary
+            layer.rank_after = trained if self.params["positions"] == "auto" else 0
         return KVCache(layers, self)
 
     def describe(self) -> dict[str, Any]:
