@@ -32,15 +32,15 @@ def _policy_options() -> dict[str, Any]:
     return options
 
 
-def add_policy_arguments(parser: argparse.ArgumentParser, grid: bool = False) -> None:
+def add_policy_arguments(parser: argparse.ArgumentParser, grid: bool = False, every_policy: bool = False) -> None:
     group = parser.add_argument_group("KV policy")
     if grid:
         group.add_argument(
             "--policy",
             "--policies",
             dest="policies",
-            default="full",
-            help=f"comma-separated policies ({', '.join(policy_names())}); default full",
+            default=",".join(policy_names()) if every_policy else "full",
+            help=f"comma-separated policies ({', '.join(policy_names())}); default {'all' if every_policy else 'full'}",
         )
         group.add_argument(
             "--budget",
@@ -707,8 +707,8 @@ def build_parser() -> Parser:
     p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
     p.add_argument("--plot-dir", help="write quality-ppl.png (curves) and quality-needle.png (heatmap) here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_policy_arguments(p, grid=True)
-    p.set_defaults(func=cmd_bench_quality, policies=",".join(policy_names()), budgets="0.05,0.1,0.2,0.5")
+    add_policy_arguments(p, grid=True, every_policy=True)
+    p.set_defaults(func=cmd_bench_quality, budgets="0.05,0.1,0.2,0.5")
 
     p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
     p.add_argument("--model", default=models.DEFAULT_MODEL)

@@ -64,7 +64,9 @@ def partial_query(
 
 def speculative_scores(pq: torch.Tensor, partial_keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Approximate attention logits: pq (b, h, g, q, c) x partial keys (b, h, n, c) -> (b, h, g, q, n)."""
-    return torch.einsum("bhgqc,bhnc->bhgqn", pq, partial_keys) * scaling
+    b, h, g, q, c = pq.shape
+    scores = (pq.reshape(b, h, g * q, c) * scaling) @ partial_keys.transpose(-1, -2)  # one batched GEMM
+    return scores.view(b, h, g, q, -1)
 
 
 def select_tokens(

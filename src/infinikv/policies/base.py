@@ -112,7 +112,7 @@ class KVLayer(CacheLayerMixin):
         self.clock: dict[str, float] = defaultdict(float)  # seconds spent per phase (see bench speed)
         self.peak_bytes = 0
         # RoPE angles when kept keys are renumbered by rank (bct --positions rank), else None
-        self.rotary: RotaryTable | None = None
+        self.rank_angles: RotaryTable | None = None
         self.rank_after = 0  # a sequence uses ranks once it has seen more real tokens than this
 
     # -- storage ---------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class KVLayer(CacheLayerMixin):
 
     @property
     def repositions(self) -> bool:
-        return self.rotary is not None
+        return self.rank_angles is not None
 
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries (b, H, q, d) and keys (b, h, L, d) to attend with.
@@ -282,9 +282,9 @@ class KVLayer(CacheLayerMixin):
         evicted, shift = evicted * ranked, shift * ranked[..., None]
         b, n_heads, q, d = query.shape
         n_kv = key.shape[1]
-        cos, sin = self.rotary(evicted[:, :, None, None])  # the queries move back by the evictions
+        cos, sin = self.rank_angles(evicted[:, :, None, None])  # the queries move back by the evictions
         moved_query = rotate(query.reshape(b, n_kv, -1, q, d), cos, -sin).reshape(b, n_heads, q, d)
-        cos, sin = self.rotary(shift)
+        cos, sin = self.rank_angles(shift)
         return moved_query, rotate(key, cos, -sin)
 
     def speculate(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:

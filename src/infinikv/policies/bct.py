@@ -179,7 +179,7 @@ class BoundedCache(Policy):
         rotary = None if inv_freq is None else RotaryTable(inv_freq)
         trained = getattr(model.config, "max_position_embeddings", None) or 0
         for layer in layers:
-            layer.rotary = rotary
+            layer.rank_angles = rotary
             layer.rank_after = trained if self.params["positions"] == "auto" else 0
         return KVCache(layers, self)
 

@@ -222,8 +222,11 @@ class InfiniGenLayer(TieredLayer):
             cos = sin = None
         pq = partial_query(x, self.weight, self.bias, cos, sin)
         scores = speculative_scores(pq, self.meta["partial"][:, :, : self.used], self.scaling)[:, :, :, -1]
-        scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
-        real = self.meta["valid"][:, 0, : self.used].sum(-1)  # (b,) tokens of each sequence, padding aside
+        if self.budget is None and bool((self.real_seen == self.used).all()):
+            real = self.real_seen  # no padding and nothing evicted: every slot is a real token
+        else:
+            scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
+            real = self.meta["valid"][:, 0, : self.used].sum(-1)  # (b,) tokens of each sequence, padding aside
         rows, fetch = select_tokens(scores, self.alpha, torch.ceil(self.max_fetch * real).long().clamp(min=1))
         if self.budget is not None:  # the bounded pool's eviction needs the fetch history
             self.steps += 1
