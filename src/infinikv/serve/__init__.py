@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: routes (app), admission and continuous batching (scheduler, batching), benchmark (bench)."""
