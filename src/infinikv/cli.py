@@ -513,7 +513,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"--kv-memory {_mib(kv_memory)})",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
 
 

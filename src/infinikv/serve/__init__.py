@@ -1,1 +1,2 @@
-"""The OpenAI-compatible server: routes (app), admission and continuous batching (scheduler, batching), benchmark (bench)."""
+"""The OpenAI-compatible server: routes and validation (``app``), admission control and continuous
+batching (``scheduler``, ``batching``), and its benchmark (``bench``)."""

@@ -218,6 +218,8 @@ class Scheduler:
             use_cache=True,
             logits_to_keep=1,
         )
+        with self.cond:
+            self.held += seq.cache.held_bytes()
         self._advance(seq, out.logits[:, -1])
 
     def _step(self) -> None:
@@ -233,7 +235,7 @@ class Scheduler:
             self.recent.append((time.monotonic(), len(batch)))
             while len(self.recent) > 1 and time.monotonic() - self.recent[0][0] > 10:
                 self.recent.popleft()
-            self.held = sum(s.cache.held_bytes() for s in self.active if s.cache is not None)
+            self.held = sum(s.cache.held_bytes() for s in self.active)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Pick ``seq``'s next token from ``logits`` (1, V), emit its text, decide if it is done."""
