@@ -26,7 +26,7 @@ def server():
     """Base URL of a server with a 64 MiB K/V budget, a queue of one and an API key."""
     port = free_port()
     command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", MODEL, "--port", str(port)]
-    command += ["--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY]
+    command += ["--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

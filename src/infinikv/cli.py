@@ -479,6 +479,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
     p.add_argument("--kv-memory", default="1GiB", help="K/V bytes all running requests may reserve (default 1GiB)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for K/V budget (default 16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     group = p.add_argument_group("default KV policy (a request's kv field overrides it)")
     group.add_argument("--policy", default=None, help=f"one of {', '.join(policy_names())} (default full)")
     group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
@@ -499,13 +500,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.app import create_app
 
     kv_memory, spec = parse_bytes(args.kv_memory), _serve_policy(args)
-    if args.max_queue < 0 or not 0 < args.port < 65536:
-        raise InfinikvError("--max-queue must be >= 0 and --port in 1..65535")
+    if args.max_queue < 0 or not 0 < args.port < 65536 or (args.threads is not None and args.threads < 1):
+        raise InfinikvError("--max-queue must be >= 0, --port in 1..65535 and --threads at least 1")
     with socket.socket() as probe:
         try:
             probe.bind((args.host, args.port))
         except OSError as exc:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = models.load_model(args.model)
     app = create_app(model, tokenizer, args.model, spec, kv_memory, args.max_queue, args.api_key)
     print(
@@ -525,6 +530,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
     serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.requests)]
+    serve_args += ["--threads", str(args.threads)] if args.threads else []
     for key, value in spec.items():
         serve_args += [f"--{key.replace('_', '-')}", str(value)]
     r = bench_serve(args.model, serve_args, kv_memory, args.clients, args.requests, args.max_tokens, args.duration)
