@@ -127,6 +127,15 @@ def test_metrics(client, server):
     assert after["infinikv_tokens_generated_total"] == before["infinikv_tokens_generated_total"] + 3
     assert after["infinikv_kv_bytes_budget"] == KV_MEMORY and after["infinikv_kv_bytes_in_use"] == 0
     assert after["infinikv_tokens_per_second"] > 0 and after["infinikv_queue_length"] == 0
+    sparse = client.completions.create(
+        model=MODEL,
+        prompt="Hello there, " * 20,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"kv": {"policy": "infinigen"}},
+    )
+    fraction = metrics(server)['infinikv_fetch_fraction{policy="infinigen"}']
+    assert 0 < fraction < 1 and fraction == pytest.approx(sparse.kv["fetched_fraction"], rel=1e-4)
 
 
 PROMPTS = [
