@@ -277,4 +277,5 @@ def test_bench_serve():
     )
     assert result["completed"] == 3 and result["errors"] == 0 and result["unfinished"] == 0
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["itl_p50_ms"] > 0
+    assert result["tokens_per_second"] == pytest.approx(3 * 4 / result["seconds"], rel=0.01)
     assert result["peak_rss_bytes"] > result["model_bytes"] > 0 and result["requests_per_second"] > 0

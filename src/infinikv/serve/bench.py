@@ -98,9 +98,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Ta
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
+                if chunk.get("usage"):
+                    tally.tokens += chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     now = time.perf_counter()
-                    tally.tokens += 1
                     if last is None:
                         tally.ttft.append(now - started)
                     else:
@@ -131,6 +132,7 @@ async def drive(base: str, model: str, clients: int, requests: int, max_tokens: 
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "stream": True,
+                    "stream_options": {"include_usage": True},
                 }
                 tally.started += 1
                 await one_request(client, f"{base}/v1/completions", body, tally, deadline)
