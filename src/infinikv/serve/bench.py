@@ -25,15 +25,17 @@ import psutil
 
 from ..errors import InfinikvError
 
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain why the sky is blue.",
-    "List three uses of a paper clip.",
-    "Describe a walk through a forest in autumn.",
-    "What makes a good cup of tea?",
-    "Tell me about the history of the bicycle.",
-    "Give advice to someone learning to cook.",
-    "Describe the sea at night.",
+PROMPTS = [  # openings the bundled model continues for at least 32 tokens under greedy decoding
+    "Once upon a time, a lighthouse keeper",
+    "The sky is blue because",
+    "A paper clip can be used to",
+    "On an autumn morning the forest",
+    "A good cup of tea needs",
+    "The first bicycles were built",
+    "When you learn to cook, start by",
+    "At night the sea",
+    "The old city was quiet when",
+    "My grandmother always said that",
 ]
 
 
