@@ -225,6 +225,7 @@ GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
         ("completions", {**GOOD, "kv": {"policy": "sink"}}, 400, "needs --budget"),
         ("completions", {**GOOD, "kv": {"budget": 0.2}}, 400, "policy"),
         ("completions", {**GOOD, "kv": {"policy": "sink", "budget": 3}}, 400, "budget"),
+        ("completions", {**GOOD, "kv": {"policy": "bct", "kv_memory": "1KB"}}, 400, "holds no token"),
         ("completions", {**GOOD, "model": "gpt-4"}, 404, "not served"),
         ("completions", {**GOOD, "n": 2}, 400, "n=1"),
         ("completions", {**GOOD, "logprobs": 3}, 400, "logprobs"),

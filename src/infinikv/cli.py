@@ -458,13 +458,14 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_policy(args: argparse.Namespace) -> dict[str, Any]:
-    """The server's default ``kv`` spec from --policy, --budget/--capacity and policy options."""
+def _serve_policy(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The server's default ``kv`` spec from --policy, --budget/--capacity and policy options
+    (None without --policy: the model's own policy then, else full)."""
     given = {o.name: getattr(args, o.name) for o in _serve_options() if getattr(args, o.name) is not None}
     if args.policy is None and (given or args.budget is not None or args.capacity is not None):
         raise InfinikvError(f"{(list(given) or ['--budget/--capacity'])[0]} needs --policy")
     if args.policy is None:
-        return {"policy": "full"}
+        return None
     spec = {"policy": args.policy, "budget": args.budget, "capacity": args.capacity, **given}
     policy_from_spec({k: v for k, v in spec.items() if v is not None})  # refuse a bad policy before loading
     return {k: v for k, v in spec.items() if v is not None}
@@ -512,6 +513,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, tokenizer = models.load_model(args.model)
+    spec = spec or models.default_policy_spec(model) or {"policy": "full"}
     app = create_app(model, tokenizer, args.model, spec, kv_memory, args.max_queue, args.api_key)
     print(
         f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
@@ -531,7 +533,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
     serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.requests)]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
-    for key, value in spec.items():
+    for key, value in (spec or {}).items():
         serve_args += [f"--{key.replace('_', '-')}", str(value)]
     r = bench_serve(args.model, serve_args, kv_memory, args.clients, args.requests, args.max_tokens, args.duration)
     if args.json:

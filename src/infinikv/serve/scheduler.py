@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..engine import Sampling, end_of_sequence_ids, next_tokens
+from ..errors import InfinikvError
 from ..policies import KVCache, Policy
 from ..policies.bct import bytes_per_token
 from .batching import decode_step, enable
@@ -110,7 +111,12 @@ class Scheduler:
     # -- called from the web server's event loop -------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """Admit ``seq`` now or queue it; raise ServeError 400 (never fits) or 429 (queue full)."""
-        seq.reserved = worst_case_bytes(seq.policy, self.model.config, len(seq.prompt_ids), seq.sampling.max_new_tokens)
+        try:
+            seq.reserved = worst_case_bytes(
+                seq.policy, self.model.config, len(seq.prompt_ids), seq.sampling.max_new_tokens
+            )
+        except InfinikvError as exc:  # e.g. a bct kv_memory that holds no token of this model
+            raise ServeError(400, f"kv: {exc}", param="kv") from None
         if seq.reserved > self.kv_memory:
             with self.cond:
                 self.counts["rejected"] += 1
@@ -188,20 +194,25 @@ class Scheduler:
                 if self.stopping:
                     return
                 joining, self.joining = self.joining, []
-            try:
-                for seq in joining:
-                    if not seq.cancelled:
+            for seq in joining:
+                self.active.append(seq)
+                if not seq.cancelled:
+                    try:
                         self._prefill(seq)
-                    self.active.append(seq)
-                self._retire()
-                if self.active:
+                    except Exception as exc:  # a bug must not take the server down: fail this one
+                        self._fail([seq], exc)
+            self._retire()
+            if self.active:
+                try:
                     self._step()
-                    self._retire()
-            except Exception as exc:  # a bug must not take the server down: fail what was running
-                for seq in self.active:
-                    seq.finish_reason = "error"
-                    seq.emit(("error", f"generation failed: {type(exc).__name__}: {exc}"))
+                except Exception as exc:  # ... or every sequence of the failed step
+                    self._fail(self.active, exc)
                 self._retire()
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        for seq in seqs:
+            seq.finish_reason = "error"
+            seq.emit(("error", f"generation failed: {type(exc).__name__}: {exc}"))
 
     @torch.inference_mode()
     def _prefill(self, seq: Sequence) -> None:
