@@ -531,7 +531,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     kv_memory, spec = parse_bytes(args.kv_memory), _serve_policy(args)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
-    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.requests)]
+    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue)]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
     for key, value in (spec or {}).items():
         serve_args += [f"--{key.replace('_', '-')}", str(value)]
