@@ -614,6 +614,104 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_policy(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The server's default ``kv`` spec from --policy, --budget/--capacity and policy options
+    (None without --policy: the model's own policy then, else full)."""
+    given = {o.name: getattr(args, o.name) for o in _serve_options() if getattr(args, o.name) is not None}
+    if args.policy is None and (given or args.budget is not None or args.capacity is not None):
+        raise InfinikvError(f"{(list(given) or ['--budget/--capacity'])[0]} needs --policy")
+    if args.policy is None:
+        return None
+    spec = {"policy": args.policy, "budget": args.budget, "capacity": args.capacity, **given}
+    policy_from_spec({k: v for k, v in spec.items() if v is not None})  # refuse a bad policy before loading
+    return {k: v for k, v in spec.items() if v is not None}
+
+
+def _serve_options() -> list:
+    """Policy options for serve; bct's --kv-memory is the server's whole K/V budget there."""
+    return [o for o in _policy_options().values() if o.name != "kv_memory"]
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
+    p.add_argument("--kv-memory", default="1GiB", help="K/V bytes all running requests may reserve (default 1GiB)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for K/V budget (default 16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    group = p.add_argument_group("default KV policy (a request's kv field overrides it)")
+    group.add_argument("--policy", default=None, help=f"one of {', '.join(policy_names())} (default full)")
+    group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
+    group.add_argument("--capacity", type=int, default=None, help="tokens kept per layer (instead of --budget)")
+    for option in _serve_options():
+        if option.type is bool:
+            group.add_argument(option.flag, dest=option.name, action="store_const", const=True, help=option.help)
+        else:
+            group.add_argument(option.flag, dest=option.name, help=f"{option.help} (default {option.default})")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from .policies.bct import parse_bytes
+    from .serve.app import create_app
+
+    kv_memory, spec = parse_bytes(args.kv_memory), _serve_policy(args)
+    if args.max_queue < 0 or not 0 < args.port < 65536 or (args.threads is not None and args.threads < 1):
+        raise InfinikvError("--max-queue must be >= 0, --port in 1..65535 and --threads at least 1")
+    with socket.socket() as probe:
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as exc:
+            raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer = models.load_model(args.model)
+    spec = spec or models.default_policy_spec(model) or {"policy": "full"}
+    app = create_app(model, tokenizer, args.model, spec, kv_memory, args.max_queue, args.api_key)
+    print(
+        f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
+        f"--kv-memory {_mib(kv_memory)})",
+        file=sys.stderr,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .policies.bct import parse_bytes
+    from .serve.bench import bench_serve
+
+    kv_memory, spec = parse_bytes(args.kv_memory), _serve_policy(args)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
+        raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
+    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue)]
+    serve_args += ["--threads", str(args.threads)] if args.threads else []
+    for key, value in (spec or {}).items():
+        serve_args += [f"--{key.replace('_', '-')}", str(value)]
+    r = bench_serve(args.model, serve_args, kv_memory, args.clients, args.requests, args.max_tokens, args.duration)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(
+            f"{r['clients']} clients, {r['completed']}/{r['requests']} requests completed in {r['seconds']} s "
+            f"({r['errors']} errors, {r['unfinished']} unfinished)\n"
+            f"requests/s {r['requests_per_second']}, tokens/s {r['tokens_per_second']}\n"
+            f"time to first token p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms\n"
+            f"inter-token latency p50 {r['itl_p50_ms']} ms, p99 {r['itl_p99_ms']} ms\n"
+            f"peak server RSS {_mib(r['peak_rss_bytes'])} vs --kv-memory {_mib(kv_memory)} + model "
+            f"{_mib(r['model_bytes'])}: {'ok' if r['rss_within_budget'] else 'OVER'}"
+        )
+        for message in r["error_messages"]:
+            print(f"  error: {message}", file=sys.stderr)
+    if not r["rss_within_budget"]:
+        print("infinikv: the server's RSS went over --kv-memory + the model size", file=sys.stderr)
+        return 1
+    return 0 if r["errors"] == 0 else 1
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: bool = True) -> None:
     """The arguments every evaluation shares: model, JSON output, results file, progress bar."""
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
@@ -746,6 +844,22 @@ def build_parser() -> Parser:
     p.add_argument("--kv-on-host", action="store_true", help="keep every K/V on the host, as in the paper's runs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with per-request KV policies")
+    _add_serve_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer API_KEY on every call")
+    p.set_defaults(func=cmd_serve)
+
+    p = bench.add_parser("serve", help="start a server and measure N concurrent streaming clients on loopback")
+    _add_serve_arguments(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+    p.add_argument("--requests", type=int, default=64, help="requests in all, then stop (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    p.add_argument("--duration", type=float, default=300, help="stop after this many seconds (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_serve)
 
     for name, fn, fetch_help in [
         ("models", cmd_models, "install and convert the bundled model"),

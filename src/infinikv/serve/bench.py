@@ -1,0 +1,226 @@
+"""``infinikv bench serve``: start a server, run concurrent streaming clients on loopback, measure.
+
+The run stops by itself after ``requests`` requests or ``duration`` seconds, whichever comes
+first (requests still running then are counted as unfinished). It reports requests/s, time to
+first token and inter-token latency (p50/p99), errors and the server's peak RSS, and checks that
+the RSS stayed under the K/V budget plus the model's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+from ..errors import InfinikvError
+
+PROMPTS = [  # openings the bundled model continues for at least 32 tokens under greedy decoding
+    "Once upon a time, a lighthouse keeper",
+    "The sky is blue because",
+    "A paper clip can be used to",
+    "On an autumn morning the forest",
+    "A good cup of tea needs",
+    "The first bicycles were built",
+    "When you learn to cook, start by",
+    "At night the sea",
+    "The old city was quiet when",
+    "My grandmother always said that",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values`` in seconds, as ms; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))], 1)
+
+
+@dataclass
+class Tally:
+    """What the clients saw."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    completed: int = 0
+    errors: int = 0
+    tokens: int = 0
+    started: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every 50 ms and keeps the peak."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.process, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
+            self.done.wait(0.05)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Tally, deadline: float) -> None:
+    started = time.perf_counter()
+    last, done = None, False
+    try:
+        async with client.stream("POST", url, json=body, timeout=max(1.0, deadline - time.monotonic())) as r:
+            if r.status_code != 200:
+                tally.errors += 1
+                tally.messages.append(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk.get("usage"):
+                    tally.tokens += chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if last is None:
+                        tally.ttft.append(now - started)
+                    else:
+                        tally.itl.append(now - last)
+                    last = now
+    except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+        tally.errors += 1
+        tally.messages.append(f"{type(exc).__name__}: {exc}"[:200])
+        return
+    if done:
+        tally.completed += 1
+    else:
+        tally.errors += 1
+        tally.messages.append("the stream ended without [DONE]")
+
+
+async def drive(base: str, model: str, clients: int, requests: int, max_tokens: int, duration: float) -> tuple:
+    """``clients`` concurrent loops of streaming completions; returns (tally, seconds, unfinished)."""
+    tally, deadline = Tally(), time.monotonic() + duration
+    limits = httpx.Limits(max_connections=clients + 1)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def worker() -> None:
+            while tally.started < requests and time.monotonic() < deadline:
+                body = {
+                    "model": model,
+                    "prompt": PROMPTS[tally.started % len(PROMPTS)],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                tally.started += 1
+                await one_request(client, f"{base}/v1/completions", body, tally, deadline)
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+        _, pending = await asyncio.wait(tasks, timeout=duration + 5)
+        for task in pending:
+            task.cancel()
+        seconds = time.perf_counter() - start
+    unfinished = tally.started - tally.completed - tally.errors
+    return tally, seconds, unfinished
+
+
+def model_bytes(model: str) -> int:
+    """Bytes of the model's weight files on disk (what loading it puts in memory, in fp32 here)."""
+    from ..models import resolve
+
+    folder, gguf = resolve(model)
+    files = [folder / gguf] if gguf else [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def bench_serve(
+    model: str,
+    serve_args: list[str],
+    kv_memory: int,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    duration: float,
+) -> dict:
+    """Start ``infinikv serve`` on a free loopback port, drive it, stop it; return the numbers."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
+    log = tempfile.TemporaryFile()
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        _wait_healthy(server, base, log, timeout=180)
+        sampler = RssSampler(server.pid)
+        sampler.start()
+        tally, seconds, unfinished = asyncio.run(drive(base, model, clients, requests, max_tokens, duration))
+        sampler.done.set()
+        sampler.join()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    weights = model_bytes(model)
+    return {
+        "clients": clients,
+        "requests": tally.started,
+        "completed": tally.completed,
+        "errors": tally.errors,
+        "unfinished": unfinished,
+        "seconds": round(seconds, 2),
+        "requests_per_second": round(tally.completed / seconds, 3),
+        "tokens_per_second": round(tally.tokens / seconds, 2),
+        "ttft_p50_ms": percentile_ms(tally.ttft, 50),
+        "ttft_p99_ms": percentile_ms(tally.ttft, 99),
+        "itl_p50_ms": percentile_ms(tally.itl, 50),
+        "itl_p99_ms": percentile_ms(tally.itl, 99),
+        "peak_rss_bytes": sampler.peak,
+        "kv_memory_bytes": kv_memory,
+        "model_bytes": weights,
+        "rss_within_budget": sampler.peak < kv_memory + weights,
+        "error_messages": sorted(set(tally.messages))[:5],
+    }
+
+
+def _wait_healthy(server: subprocess.Popen, base: str, log, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            last = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()][-1:]
+            raise InfinikvError(f"the server exited with {server.returncode}: {' '.join(last) or 'no output'}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise InfinikvError(f"the server did not answer /health within {timeout:.0f} s")

@@ -1,0 +1,282 @@
+"""The server, end to end: a real ``infinikv serve`` on a free loopback port, the real ``openai`` client."""
+
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from infinikv import Sampling, generate, make_policy
+from infinikv.cli import main
+from infinikv.serve.bench import bench_serve, free_port
+from infinikv.serve.scheduler import _safe_end, worst_case_bytes
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+KV_MEMORY = 64 * 2**20  # 1,456 tokens of smollm2-135m's fp32 K/V (46,080 bytes a token, all layers)
+PER_TOKEN = 46080
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Base URL of a server with a 64 MiB K/V budget, a queue of one and an API key."""
+    port = free_port()
+    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", MODEL, "--port", str(port)]
+    command += ["--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
+    return {name: float(value) for name, value in re.findall(r"^(infinikv_\S+) (\S+)$", text, re.M)}
+
+
+def wait_for(server, condition, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if condition(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_completion_and_chat(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert out.choices[0].text.startswith(" Paris") and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens == 5 and out.usage.total_tokens == 13
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert "Paris" in chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens > 10
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streaming_and_stop(client, server):
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 8
+    stopped = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."]
+    )
+    assert stopped.choices[0].text == " Paris" and stopped.choices[0].finish_reason == "stop"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+
+
+def test_kv_policy_per_request(client):
+    prompt = "It was a truth universally acknowledged, that a single man in possession of a good fortune, " * 3
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    sink = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"kv": {"policy": "sink", "capacity": 8}}
+    )
+    assert full.kv["policy"] == "full" and sink.kv["policy"] == "sink" and sink.kv["capacity"] == 8
+    assert sink.kv["kv_bytes"] == 8 * PER_TOKEN < full.kv["kv_bytes"] / 4
+    with pytest.raises(openai.BadRequestError, match="unknown policy"):
+        client.completions.create(model=MODEL, prompt="Hi", extra_body={"kv": {"policy": "nope"}})
+
+
+def test_metrics(client, server):
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    after = metrics(server)
+    assert (
+        after['infinikv_requests_total{outcome="completed"}']
+        == before['infinikv_requests_total{outcome="completed"}'] + 1
+    )
+    assert after["infinikv_tokens_generated_total"] == before["infinikv_tokens_generated_total"] + 3
+    assert after["infinikv_kv_bytes_budget"] == KV_MEMORY and after["infinikv_kv_bytes_in_use"] == 0
+    assert after["infinikv_tokens_per_second"] > 0 and after["infinikv_queue_length"] == 0
+    sparse = client.completions.create(
+        model=MODEL,
+        prompt="Hello there, " * 20,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"kv": {"policy": "infinigen"}},
+    )
+    fraction = metrics(server)['infinikv_fetch_fraction{policy="infinigen"}']
+    assert 0 < fraction < 1 and fraction == pytest.approx(sparse.kv["fetched_fraction"], rel=1e-4)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "My favourite food is",
+    "The three primary colours are",
+    "In 1492, Columbus",
+    "Water boils at",
+    "The best way to learn a language is",
+]
+POLICIES = [
+    {"policy": "full"},
+    {"policy": "sink", "capacity": 6},
+    {"policy": "h2o", "budget": 0.5},
+    {"policy": "bct", "capacity": 6},
+]
+
+
+def test_concurrent_batched_equals_alone(client, server, real):
+    """8 streams under 4 policies share decode steps; each equals its prompt run alone."""
+    model, tokenizer = real
+
+    def ask(i: int) -> str:
+        stream = client.completions.create(
+            model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0, stream=True, extra_body={"kv": POLICIES[i % 4]}
+        )
+        return "".join(c.choices[0].text for c in stream)
+
+    alone = [ask(i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert together == alone and len(set(alone)) == 8
+    assert metrics(server)["infinikv_batch_size_max"] >= 4
+    spec = dict(POLICIES[2])  # the server's path equals the library's (h2o: attention-scored eviction)
+    library = generate(model, tokenizer, PROMPTS[2], make_policy(spec.pop("policy"), **spec), Sampling(8))
+    assert library.texts[0] == alone[2]
+
+
+def test_budget_queue_and_cancel(client, server, real):
+    prompt_tokens = len(real[1]("Once upon a time").input_ids)
+    big = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="more than the server's --kv-memory") as never:
+        client.completions.create(**{**big, "max_tokens": 1500})
+    assert never.value.code == "kv_budget_exceeded"
+    cancelled = metrics(server)['infinikv_requests_total{outcome="cancelled"}']
+    first = client.completions.create(**big, stream=True)
+    next(iter(first))  # running, holding 1000+ tokens' worth of reservation
+    m = metrics(server)
+    assert m["infinikv_kv_bytes_reserved"] == (prompt_tokens + 1000) * PER_TOKEN and m["infinikv_kv_bytes_in_use"] > 0
+    second = client.completions.create(**big, stream=True)  # waits: both do not fit in 64 MiB
+    assert wait_for(server, lambda m: m["infinikv_queue_length"] == 1)["infinikv_queue_length"] == 1
+    with pytest.raises(openai.RateLimitError, match="queue is full"):
+        client.completions.create(**big)
+    first.close()  # the client goes away: its sequence stops and the waiting one is admitted
+    assert next(iter(second)).choices[0].text
+    second.close()
+    m = wait_for(server, lambda m: m["infinikv_active_sequences"] == 0)
+    assert m["infinikv_kv_bytes_in_use"] == 0 and m["infinikv_kv_bytes_reserved"] == 0
+    assert m['infinikv_requests_total{outcome="cancelled"}'] == cancelled + 2
+
+
+def test_api_key(server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.get(f"{server}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path, body, status, says",
+    [
+        ("completions", "{not json", 400, "not valid JSON"),
+        ("completions", [1, 2], 400, "body"),
+        ("completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+        ("completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+        ("completions", {**GOOD, "max_tokens": 10**6}, 400, "context"),
+        ("completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ("completions", {**GOOD, "prompt": "   "}, 400, "empty"),
+        ("completions", {**GOOD, "prompt": ["a", "b"]}, 400, "one prompt"),
+        ("completions", {**GOOD, "kv": {"policy": "sink"}}, 400, "needs --budget"),
+        ("completions", {**GOOD, "kv": {"budget": 0.2}}, 400, "policy"),
+        ("completions", {**GOOD, "kv": {"policy": "sink", "budget": 3}}, 400, "budget"),
+        ("completions", {**GOOD, "kv": {"policy": "bct", "kv_memory": "1KB"}}, 400, "holds no token"),
+        ("completions", {**GOOD, "model": "gpt-4"}, 404, "not served"),
+        ("completions", {**GOOD, "n": 2}, 400, "n=1"),
+        ("completions", {**GOOD, "logprobs": 3}, 400, "logprobs"),
+        ("completions", {"model": MODEL}, 400, "prompt"),
+        ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}]}, 400, "empty"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ("nowhere", GOOD, 404, "Not Found"),
+    ],
+)
+def test_bad_input(server, path, body, status, says):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{server}/v1/{path}", headers=headers, timeout=60, **kwargs)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert says in error["message"] and error["type"]
+
+
+def test_worst_case_bytes(real):
+    config = real[0].config
+    assert worst_case_bytes(make_policy("full"), config, 100, 50) == 150 * PER_TOKEN
+    assert worst_case_bytes(make_policy("bct", capacity=64), config, 100, 500) == 100 * PER_TOKEN  # the prefill
+    assert worst_case_bytes(make_policy("bct", capacity=64), config, 10, 500) == 65 * PER_TOKEN
+    assert worst_case_bytes(make_policy("sink", budget=0.5), config, 10, 90) == 51 * PER_TOKEN
+
+
+def test_stop_strings_are_held_back():
+    assert _safe_end("Paris. The", ["The end"]) == len("Paris. ")
+    assert _safe_end("Paris", ["."]) == 5 and _safe_end("caf\ufffd", []) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["serve", "--kv-memory", "lots"], "--kv-memory"),
+        (["serve", "--policy", "nope"], "unknown policy"),
+        (["serve", "--capacity", "8"], "needs --policy"),
+        (["bench", "serve", "--clients", "0"], "--clients"),
+    ],
+)
+def test_cli_usage_errors(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_serve():
+    result = bench_serve(
+        MODEL, ["--kv-memory", "256MiB"], 256 * 2**20, clients=2, requests=3, max_tokens=4, duration=120
+    )
+    assert result["completed"] == 3 and result["errors"] == 0 and result["unfinished"] == 0
+    assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["itl_p50_ms"] > 0
+    assert result["tokens_per_second"] == pytest.approx(3 * 4 / result["seconds"], rel=0.01)
+    assert result["peak_rss_bytes"] > result["model_bytes"] > 0 and result["requests_per_second"] > 0
