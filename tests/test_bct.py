@@ -5,12 +5,15 @@ import json
 import pytest
 import torch
 
-from infinikv import load_model, make_policy
+from infinikv import Batch, load_model, make_policy
 from infinikv.errors import InfinikvError
+from infinikv.kv.rope import Renumbering, RotaryTable, rotate
+from infinikv.kv.slots import Slots
 from infinikv.models import default_policy_spec
+from infinikv.policies import RULES
 from infinikv.policies.base import Budget
-from infinikv.policies.bct import RULES, TovaLayer, parse_bytes
-from infinikv.rope import RotaryTable, evicted_before, rotate
+from infinikv.policies.bct import parse_bytes
+from infinikv.policies.layer import KVLayer
 
 RULE_NAMES = list(RULES)
 
@@ -19,21 +22,22 @@ RULE_NAMES = list(RULES)
 @torch.inference_mode()
 def test_storage_is_allocated_once_for_2000_steps(tiny, rule):
     capacity = 48
-    cache = make_policy("bct", capacity=capacity, update_rule=rule).make_cache(tiny)
+    batch = Batch(tiny, make_policy("bct", capacity=capacity, update_rule=rule))
+    cache = batch.cache
     ids = torch.randint(0, 128, (2, 2000 + 100))
-    tiny(input_ids=ids[:, :100], cache=cache, use_cache=True)  # a prefill larger than the capacity
-    pointers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+    batch.feed(ids[:, :100])  # a prefill larger than the capacity
+    pointers = [(layer.slots.keys.data_ptr(), layer.slots.values.data_ptr()) for layer in cache.layers]
     held, allocated = cache.held_bytes(), cache.allocated_bytes()
     per_token = 2 * 2 * 2 * 16 * 4  # batch x (K and V) x KV heads x head_dim x fp32
     for step in range(100, 2100):
-        tiny(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+        batch.step(ids[:, step])
         if step in (100 + capacity, 2099):  # memory after N steps == memory after `capacity` steps
-            assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == pointers
+            assert [(layer.slots.keys.data_ptr(), layer.slots.values.data_ptr()) for layer in cache.layers] == pointers
             assert cache.held_bytes() == held == 2 * capacity * per_token
             assert cache.allocated_bytes() == allocated == 2 * (capacity + 1) * per_token
     for layer in cache.layers:
-        assert layer.keys.shape[2] == capacity + 1 and layer.get_seq_length() == 2100
-        assert int(layer.meta["valid"][:, :, : layer.used].sum(-1).max()) == capacity
+        assert layer.slots.keys.shape[2] == capacity + 1 and layer.get_seq_length() == 2100
+        assert int(layer.slots.state["valid"].sum(-1).max()) == capacity
 
 
 @pytest.mark.slow
@@ -41,73 +45,85 @@ def test_storage_is_allocated_once_for_2000_steps(tiny, rule):
 def test_real_model_held_bytes_are_exact_every_step(real, emma_ids):
     model, _ = real
     capacity = 64
-    cache = make_policy("bct", capacity=capacity).make_cache(model)
-    model(input_ids=emma_ids[:, :100], cache=cache, use_cache=True)
-    pointer = cache.layers[0].keys.data_ptr()
+    batch = Batch(model, make_policy("bct", capacity=capacity))
+    batch.feed(emma_ids[:, :100])
+    pointer = batch.cache.layers[0].slots.keys.data_ptr()
     for i in range(100, 200):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
-        assert cache.held_bytes() == capacity * 30 * 2 * 3 * 64 * 4
-    assert cache.layers[0].keys.data_ptr() == pointer
+        batch.step(emma_ids[:, i])
+        assert batch.cache.held_bytes() == capacity * 30 * 2 * 3 * 64 * 4
+    assert batch.cache.layers[0].slots.keys.data_ptr() == pointer
 
 
 @torch.inference_mode()
 def test_merge_conserves_the_total_weight(real, emma_ids):
     model, _ = real
-    cache = make_policy("bct", capacity=40, update_rule="merge").make_cache(model)
-    model(input_ids=emma_ids[:, :90], cache=cache, use_cache=True)
+    batch = Batch(model, make_policy("bct", capacity=40, update_rule="merge"))
+    batch.feed(emma_ids[:, :90])
     for i in range(90, 130):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
-        for layer in cache.layers[::7]:
-            valid = layer.meta["valid"][:, :, : layer.used]
-            totals = (layer.meta["weight"][:, :, : layer.used] * valid).sum(-1)
+        batch.step(emma_ids[:, i])
+        for layer in batch.cache.layers[::7]:
+            state = layer.slots.state
+            valid = state["valid"]
+            totals = (state["weight"] * valid).sum(-1)
             assert torch.allclose(totals, torch.full_like(totals, i + 1))
-            assert layer.meta["weight"][:, :, : layer.used][valid].min() >= 1
+            assert state["weight"][valid].min() >= 1
+
+
+def rule_layer(rule: str, capacity: int, keys: torch.Tensor, **params) -> KVLayer:
+    """A bct layer of ``rule`` after one forward of ``keys`` (1, h, q, d), values = 10 x keys."""
+    q = keys.shape[2]
+    layer = KVLayer(Slots(), RULES[rule](**params), Budget(tokens=capacity), fixed=True)
+    layer.begin(q, torch.arange(q)[None], None, [q])
+    layer.update(keys, keys * 10)
+    return layer
+
+
+def kept_positions(layer: KVLayer, head: int = 0) -> list[int]:
+    state = layer.slots.state
+    return sorted(state["position"][0, head][state["valid"][0, head]].tolist())
 
 
 def test_merge_folds_into_the_most_similar_slot():
-    layer = RULES["merge"](Budget(tokens=3), recent_ratio=0.0, fixed=True)
     keys = torch.tensor([[1.0, 0], [0, 1.0], [0.9, 0.1], [-1.0, 0]]).view(1, 1, 4, 2)
-    layer.update(keys, keys * 10, kwargs={"position_ids": torch.arange(4)[None]})
-    layer.admit(None)
-    layer.observe(torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4))
-    layer.commit(attended=4.0)
-    valid = layer.meta["valid"][0, 0, :3]
-    positions = layer.meta["position"][0, 0, :3][valid].tolist()
-    assert sorted(positions) == [0, 1, 3]  # the least attended (position 2) was evicted...
-    slot = positions.index(0)
-    assert layer.meta["weight"][0, 0, slot] == 2  # ...into the slot with the most similar key
-    assert torch.allclose(layer.keys[0, 0, slot], torch.tensor([0.95, 0.05]))
-    assert torch.allclose(layer.values[0, 0, slot], torch.tensor([9.5, 0.5]))
+    layer = rule_layer("merge", 3, keys, recent_ratio=0.0)
+    layer.rule.observe(layer.slots, torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4))
+    layer.evict()
+    assert kept_positions(layer) == [0, 1, 3]  # the least attended (position 2) was evicted...
+    slot = 0  # ...into the slot with the most similar key (position 0's)
+    state = layer.slots.state
+    assert state["weight"][0, 0, slot] == 2
+    assert torch.allclose(layer.slots.keys[0, 0, slot], torch.tensor([0.95, 0.05]))
+    assert torch.allclose(layer.slots.values[0, 0, slot], torch.tensor([9.5, 0.5]))
 
 
 def test_tova_evicts_the_argmin_of_the_current_attention():
-    layer = TovaLayer(Budget(tokens=4), fixed=True)
-    k = torch.randn(1, 2, 5, 8)
-    layer.update(k, k.clone(), kwargs={"position_ids": torch.arange(5)[None]})
-    layer.admit(None)
+    layer = rule_layer("tova", 4, torch.randn(1, 2, 5, 8))
     last = torch.tensor([[[0.3, 0.05, 0.2, 0.25, 0.2], [0.1, 0.4, 0.3, 0.01, 0.19]]])
-    layer.observe(last * 3, last)
-    layer.commit(attended=5.0)
+    layer.rule.observe(layer.slots, last * 3, last)
+    layer.evict()
     for head, evicted in enumerate(last[0].argmin(-1).tolist()):
-        kept = layer.meta["position"][0, head, :4].tolist()
-        assert evicted not in kept and len(set(kept)) == 4
+        kept = kept_positions(layer, head)
+        assert evicted not in kept and len(kept) == 4
 
 
 @torch.inference_mode()
 def test_tova_on_the_real_model_drops_what_the_last_query_ignores(real, emma_ids):
     model, _ = real
-    cache = make_policy("bct", capacity=30, update_rule="tova").make_cache(model)
-    model(input_ids=emma_ids[:, :30], cache=cache, use_cache=True)
-    layer = cache.layers[10]
-    before = layer.meta["position"][:, :, :30].clone()
+    batch = Batch(model, make_policy("bct", capacity=30, update_rule="tova"))
+    batch.feed(emma_ids[:, :30])
+    layer = batch.cache.layers[10]
+    before = {h: set(kept_positions(layer, h)) | {30} for h in range(3)}  # the kept tokens and the new one
     seen = []
-    observe = layer.observe
-    layer.observe = lambda mass, last: (seen.append(last.clone()), observe(mass, last))
-    model(input_ids=emma_ids[:, 30:31], cache=cache, use_cache=True)
+    observe = layer.rule.observe
+    layer.rule.observe = lambda slots, mass, last: (
+        seen.append((last.clone(), slots.state["position"].clone())),
+        observe(slots, mass, last),
+    )
+    batch.step(emma_ids[:, 30])
+    last, position = seen[0]
     for head in range(3):
-        candidates = torch.cat([before[0, head], torch.tensor([30])])  # slot order: 30 stored + the new token
-        dropped = set(candidates.tolist()) - set(layer.meta["position"][0, head, :30].tolist())
-        assert dropped == {int(candidates[seen[0][0, head].argmin()])}
+        dropped = before[head] - set(kept_positions(layer, head))
+        assert dropped == {int(position[0, head, last[0, head].argmin()])}
 
 
 @pytest.mark.parametrize(
@@ -147,22 +163,8 @@ def test_kv_memory_sets_the_capacity(real):
 def test_built_model_round_trip(real, tmp_path):
     from infinikv.cli import main
 
-    assert (
-        main(
-            [
-                "models",
-                "build",
-                "smollm2-135m",
-                "--capacity",
-                "48",
-                "--update-rule",
-                "merge",
-                "--out",
-                str(tmp_path / "m"),
-            ]
-        )
-        == 0
-    )
+    argv = ["models", "build", "smollm2-135m", "--policy", "bct", "--capacity", "48", "--update-rule", "merge"]
+    assert main([*argv, "--out", str(tmp_path / "m")]) == 0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["infinikv_policy"] == {"policy": "bct", "capacity": 48, "update_rule": "merge"}
     model, tokenizer = load_model(str(tmp_path / "m"))
@@ -172,7 +174,7 @@ def test_built_model_round_trip(real, tmp_path):
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False, return_dict_in_generate=True
     )
     layer = out.cache.layers[0]
-    assert type(layer).__name__ == "MergeLayer" and layer.fixed_capacity == 48 and layer.used == 48
+    assert layer.rule.name == "merge" and layer.capacities == [48] and layer.slots.held == [48]
     assert layer.get_seq_length() == ids.shape[1] + 59
     # the built model is the same network: with nothing evicted it matches the plain one exactly
     plain, _ = real
@@ -191,7 +193,7 @@ def test_load_model_with_a_capacity():
         load_model("smollm2-135m", kv_capacity=0)
 
 
-def test_rotations_compose_and_evictions_are_counted_per_row():
+def test_rotations_compose_and_evictions_move_only_older_keys():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     table = RotaryTable(inv_freq)
     offsets = torch.tensor([0, 7, 1023, 1024, 30000, 30007])
@@ -204,25 +206,39 @@ def test_rotations_compose_and_evictions_are_counted_per_row():
     forth = rotate(x, cos[4], sin[4])
     assert torch.allclose(rotate(forth, cos[4], -sin[4]), x, atol=1e-5)  # R(-a) R(a) = 1
     assert torch.allclose(rotate(rotate(x, cos[1], sin[1]), cos[4], sin[4]), rotate(x, cos[5], sin[5]), atol=1e-4)
+    # one victim at position 5: only the kept keys older than it move one step forward
+    renumbering = Renumbering(inv_freq, threshold=0)
     position = torch.tensor([[[0, 5, 2, 9, 4]]])
-    evicted = torch.tensor([[[False, True, False, False, True]]])
-    assert evicted_before(position, evicted).tolist() == [[[0, 1, 0, 2, 0]]]
+    valid = torch.ones(1, 1, 5, dtype=torch.bool)
+    keys, after = torch.randn(1, 1, 5, 16), torch.zeros(1, 1, 5, dtype=torch.int32)
+    before = keys.clone()
+    renumbering.evict(keys, after, position, valid, torch.tensor([[[1]]]), None, True)
+    assert after.tolist() == [[[1, 0, 1, 0, 1]]]
+    one = table(torch.tensor([1]))
+    for slot in range(5):
+        expected = rotate(before[0, 0, slot], one[0][0], one[1][0]) if after[0, 0, slot] else before[0, 0, slot]
+        assert torch.allclose(keys[0, 0, slot], expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @torch.inference_mode()
-def test_rank_positions_renumber_the_kept_keys(tiny, rule):
-    """Every kept key of every row sits at its rank among the kept tokens of that row."""
-    cache = make_policy("bct", capacity=24, update_rule=rule, positions="rank").make_cache(tiny)
+def test_rank_positions_keep_the_kept_keys_at_their_ranks(tiny, rule):
+    """Every kept key of every row is rotated to its rank among the kept tokens of that row (up to
+    one shift per row, which RoPE cannot see): position + after - rank is the same for all."""
+    batch = Batch(tiny, make_policy("bct", capacity=24, update_rule=rule, positions="rank"))
     ids = torch.randint(0, 128, (2, 140))
-    tiny(input_ids=ids[:, :60], cache=cache, use_cache=True)
+    batch.feed(ids[:, :60])
     for step in range(60, 140):
-        tiny(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
-    for layer in cache.layers:
-        valid = layer.meta["valid"][:, :, : layer.used]
-        rank = layer.meta["position"][:, :, : layer.used] - layer.meta["shift"][:, :, : layer.used]
-        for row, kept in zip(rank.flatten(0, 1), valid.flatten(0, 1), strict=True):
-            assert sorted(row[kept].tolist()) == list(range(24))
+        batch.step(ids[:, step])
+    for layer in batch.cache.layers:
+        state = layer.slots.state
+        for row in range(2):
+            for head in range(2):
+                kept = state["valid"][row, head]
+                position = state["position"][row, head][kept]
+                rank = position.argsort().argsort()
+                offset = position + state["after"][row, head][kept] - rank
+                assert kept.sum() == 24 and len(set(offset.tolist())) == 1
 
 
 @torch.inference_mode()
@@ -234,8 +250,8 @@ def test_rank_positions_attend_as_if_the_kept_tokens_were_the_whole_text(tiny):
     for step in range(60):
         tiny(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
     layer = cache.layers[0]
-    kept = layer.meta["position"][0, 0, : layer.used][layer.meta["valid"][0, 0, : layer.used]].sort().values
-    assert kept[-1] == 59 and layer.meta["shift"].max() > 0  # evictions happened
+    kept = torch.tensor(kept_positions(layer))
+    assert kept[-1] == 59 and layer.slots.state["after"].max() > 0  # evictions happened
     outputs = []
     hook = tiny.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: outputs.append(out[0][:, -1]))
     try:
@@ -246,10 +262,10 @@ def test_rank_positions_attend_as_if_the_kept_tokens_were_the_whole_text(tiny):
             tiny(input_ids=ids[:, step : step + 1], cache=original, use_cache=True)
     finally:
         hook.remove()
-    repositioned, reference, kept_positions = outputs[0], outputs[1], outputs[-1]
+    repositioned, reference, unmoved = outputs[0], outputs[1], outputs[-1]
     scale = reference.abs().max()
     assert (repositioned - reference).abs().max() < 1e-4 * scale
-    assert (kept_positions - reference).abs().max() > 2e-3 * scale  # the test can tell them apart
+    assert (unmoved - reference).abs().max() > 2e-3 * scale  # the test can tell them apart
 
 
 @torch.inference_mode()

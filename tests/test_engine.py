@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from infinikv import Sampling, generate, make_policy
-from infinikv.engine import left_pad, next_tokens
+from infinikv.core import left_pad, next_tokens
 from infinikv.errors import InfinikvError
 
 
 def test_left_pad():
-    ids, mask = left_pad([[1, 2, 3], [4]], pad_id=0)
-    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, real = left_pad([[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and real.tolist() == [[True] * 3, [False, False, True]]
 
 
 def test_top_p_keeps_only_the_nucleus():

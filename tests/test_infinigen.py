@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
-from infinikv import attach, make_policy
+from infinikv import Batch, attach, make_policy
 from infinikv.errors import InfinikvError
 from infinikv.policies.infinigen import calibrate, skew
 from infinikv.speculation import pair_scores, pairs_to_columns, partial_query, select_tokens
@@ -98,38 +98,51 @@ def test_skewing_refuses_rope_models(tiny):
         skew(tiny, torch.randint(0, 128, (1, 8)))
 
 
+def infinigen(real, **params):
+    model, tokenizer = real
+    policy = make_policy("infinigen", **params)
+    policy.prepare(model, tokenizer)
+    return policy
+
+
 @torch.inference_mode()
 def test_ledger_bytes_are_tokens_times_bytes_per_token(real, emma_ids):
     model, _ = real
-    cache = make_policy("infinigen", alpha=4.0).make_cache(model)
-    model(input_ids=emma_ids[:, :150], cache=cache, use_cache=True)
+    batch = Batch(model, infinigen(real, alpha=4.0))
+    batch.feed(emma_ids[:, :150])
+    counts = []
+    for layer in batch.cache.layers[2:]:
+        layer.observer = lambda positions, mask: counts.append(int(mask.sum(-1).max()))
     for i in range(150, 160):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
+        batch.step(emma_ids[:, i])
     per_token = 2 * 3 * 64 * 4
+    cache = batch.cache
     for layer in cache.layers[2:]:
-        assert len(layer.transfers) == 10
-        for seen, tokens, nbytes in layer.transfers:
-            assert nbytes == round(tokens * per_token) and 1 <= tokens <= math.ceil(0.2 * seen)
-        assert layer.trace[-1][2] == pytest.approx(layer.transfers[-1][1] + 1)  # fetched + the current token
-    assert not hasattr(cache.layers[0], "transfers") or not cache.layers[0].transfers  # dense layers fetch nothing
+        stats = layer.stats
+        assert stats.fetch_steps == 10
+        fetched = float(stats.fetched[0]) / 10  # tokens per KV head and step
+        assert 1 <= fetched <= math.ceil(0.2 * 160)
+    assert all(1 < c <= math.ceil(0.2 * 160) + 1 for c in counts)  # fetched rows + the current token
+    assert cache.layers[0].stats.fetch_steps == 0  # dense layers fetch nothing
     summary = cache.transfer_summary()
-    assert summary["fetched_fraction"] <= 0.2
-    total = sum(nbytes for layer in cache.layers[2:] for _, _, nbytes in layer.transfers)
-    assert summary["bytes_moved_per_step"] == pytest.approx(total / 10)
+    assert 0 < summary["fetched_fraction"] <= 0.2
+    tokens = sum(float(layer.stats.fetched[0]) / 10 for layer in cache.layers[2:])
+    assert summary["tokens_fetched_per_step"] == pytest.approx(tokens)
+    assert summary["bytes_moved_per_step"] == pytest.approx(tokens * per_token)
+    counts_per_layer, _ = cache.attended()
+    assert counts_per_layer[5] == pytest.approx(float(cache.layers[5].stats.fetched[0]) / 10 + 1)
 
 
 @torch.inference_mode()
 def test_offload_fetches_everything_and_is_exact(real, emma_ids):
     model, _ = real
     ids = emma_ids[:, :110]
-    full, offload = make_policy("full").make_cache(model), make_policy("offload").make_cache(model)
-    for cache in (full, offload):
-        model(input_ids=ids[:, :100], cache=cache, use_cache=True)
+    full, offload = Batch(model, make_policy("full")), Batch(model, make_policy("offload"))
+    for batch in (full, offload):
+        batch.feed(ids[:, :100])
     for i in range(100, 110):
-        a = model(input_ids=ids[:, i : i + 1], cache=full, use_cache=True).logits
-        b = model(input_ids=ids[:, i : i + 1], cache=offload, use_cache=True).logits
-        assert (a - b).abs().max() < 1e-4
-    summary = offload.transfer_summary()
+        assert (full.step(ids[:, i]) - offload.step(ids[:, i])).abs().max() < 1e-4
+    summary = offload.cache.transfer_summary()
     assert summary["fetched_fraction"] == 1.0
     assert summary["bytes_moved_per_step"] == pytest.approx(30 * 104.5 * 2 * 3 * 64 * 4)
 
@@ -141,12 +154,18 @@ def test_overlap_on_and_off_give_identical_outputs(real, emma_ids, name):
     ids = emma_ids[:, :140]
     outputs = []
     for no_overlap in (False, True):
-        cache = make_policy(name, no_overlap=no_overlap).make_cache(model)
-        logits = [model(input_ids=ids[:, :100], cache=cache, use_cache=True).logits[:, -1]]
+        policy = infinigen(real, no_overlap=no_overlap) if name == "infinigen" else make_policy(name, no_overlap=True)
+        batch = Batch(model, policy)
+        logits = [batch.feed(ids[:, :100])]
         for i in range(100, 140):
-            logits.append(model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1])
+            logits.append(batch.step(ids[:, i]))
         outputs.append(torch.stack(logits))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_infinigen_is_prepared_explicitly(tiny):
+    with pytest.raises(InfinikvError, match="infinikv prepare"):
+        make_policy("infinigen").make_cache(tiny)
 
 
 @pytest.mark.parametrize(
@@ -176,34 +195,39 @@ def test_calibration_ranks_pairs_per_kv_head(tiny):
 def test_bounded_pool(real, emma_ids, eviction):
     """The pool never exceeds its capacity, evicts by its rule and keeps partial keys in step."""
     model, _ = real
-    cache = make_policy("infinigen", pool_capacity=64, eviction=eviction).make_cache(model)
-    layer = cache.layers[5]
+    batch = Batch(model, infinigen(real, pool_capacity=64, eviction=eviction))
+    layer = batch.cache.layers[5]
     decisions = []
-    evict = layer.evict
+    scores = layer.rule.scores
 
-    def spy(keep):
-        length = keep.shape[-1]
-        decisions.append(
-            (layer.priority(length, layer.capacity()), keep.clone(), layer.meta["valid"][:, :, :length].clone())
-        )
-        evict(keep)
+    def spy(slots, at):
+        out = scores(slots, at)
+        decisions.append((out.clone(), slots.state["valid"][:, :, : at.length].clone()))
+        return out
 
-    layer.evict = spy
-    model(input_ids=emma_ids[:, :60], cache=cache, use_cache=True)
+    layer.rule.scores = spy
+    dropped = []
+    drop = layer.slots.drop
+    layer.slots.drop = lambda victims, take=None: (dropped.append(victims.clone()), drop(victims, take))
+    batch.feed(emma_ids[:, :60])
     for i in range(60, 100):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
-        for sparse in cache.layers[2:]:
-            assert int(sparse.meta["valid"][:, :, : sparse.used].sum(-1).max()) <= 64
-    assert len(decisions) == 100 - 64
-    for priority, keep, valid in decisions:
+        batch.step(emma_ids[:, i])
+        for sparse in batch.cache.layers[2:]:
+            assert int(sparse.slots.state["valid"].sum(-1).max()) <= 64 and sparse.slots.held == [min(i + 1, 64)]
+            if i >= 64:
+                assert sparse.slots.held == [64]
+    assert len(decisions) == len(dropped) == 100 - 64
+    state = layer.slots.state
+    for (score, valid), victims in zip(decisions, dropped, strict=True):
         for head in range(3):  # each KV head drops one entry: one it ranks lowest
-            p, k, v = priority[0, head], keep[0, head], valid[0, head]
-            dropped = p[v & ~k]
-            assert dropped.numel() == 1 and float(dropped) <= float(p[k].min())
-    columns = layer.columns
-    stored = layer.keys[:, :, : layer.used]
-    expected = stored.gather(-1, columns[None, :, None, :].expand(1, -1, layer.used, -1))
-    assert torch.equal(layer.meta["partial"][:, :, : layer.used], expected)
+            victim = int(victims[0, head, 0])
+            assert valid[0, head, victim] and float(score[0, head, victim]) == float(
+                score[0, head][valid[0, head]].min()
+            )
+    columns = layer.fetcher.columns
+    stored, held = layer.slots.keys, state["valid"]
+    expected = stored.gather(-1, columns[None, :, None, :].expand(1, -1, stored.shape[2], -1))
+    assert torch.equal(state["partial"][held], expected[held])
 
 
 def test_eviction_needs_a_pool():

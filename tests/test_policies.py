@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from infinikv import make_policy, policy_names
+from infinikv import Batch, make_policy, policy_names
 from infinikv.errors import InfinikvError
+from infinikv.kv.slots import Slots
 from infinikv.policies import REGISTRY
-from infinikv.policies.base import KVLayer
 from infinikv.policies.infinigen import calibrate
 
 ALL = policy_names()
-BOUNDED = [name for name in ALL if REGISTRY[name].bounded]
+BOUNDED = [name for name in ALL if REGISTRY[name].takes_budget]
 
 
 EXACT = {"infinigen": dict(alpha=math.inf, max_fetch=1.0)}  # speculation that fetches everything
@@ -26,12 +26,20 @@ TOLERANCE = {"quant": 0.5}
 TINY_TOLERANCE = {"quant": 0.005}
 
 
-def whole(name: str, model=None):
+def whole(name: str, model, tokenizer=None):
     """The policy keeping (or fetching) every token of these tests: it must match ``full``."""
     params = {**EXACT, **LOSSY}.get(name, {})
-    policy = make_policy(name, capacity=4096) if REGISTRY[name].bounded else make_policy(name, **params)
-    if name == "infinigen" and model is not None and not model.name_or_path:  # no folder to prepare it in
-        policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
+    policy = make_policy(name, capacity=4096) if REGISTRY[name].takes_budget else make_policy(name, **params)
+    return prepared(policy, model, tokenizer)
+
+
+def prepared(policy, model, tokenizer=None):
+    """``policy`` with its preparation run (a tiny model has no folder: calibrate it in memory)."""
+    if policy.needs_preparation:
+        if tokenizer is None:
+            policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
+        else:
+            policy.prepare(model, tokenizer)
     return policy
 
 
@@ -58,23 +66,23 @@ def test_full_matches_transformers_dynamic_cache(real, emma_ids):
 @pytest.mark.parametrize("name", ALL)
 @torch.inference_mode()
 def test_exact_when_the_budget_covers_everything(real, emma_ids, name):
-    model, _ = real
+    model, tokenizer = real
     ids = emma_ids[:, :120]
     reference = forward_loop(model, ids, make_policy("full").make_cache(model), 80, chunk=16)
-    ours = forward_loop(model, ids, whole(name).make_cache(model), 80, chunk=16)
+    ours = forward_loop(model, ids, whole(name, model, tokenizer).make_cache(model), 80, chunk=16)
     assert (ours - reference).abs().max() < TOLERANCE.get(name, 1e-4)
-    if REGISTRY[name].bounded and name != "bct":  # a growing budget: a fraction of 1 keeps everything too
+    if REGISTRY[name].takes_budget and name != "bct":  # a growing budget: a fraction of 1 keeps everything too
         again = forward_loop(model, ids, make_policy(name, budget=1.0).make_cache(model), 80, chunk=16)
         assert (again - reference).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_generate_with_model_generate(real, emma_ids, name):
-    model, _ = real
+    model, tokenizer = real
     ids = emma_ids[:, :60]
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     reference = model.generate(ids, **kwargs)
-    ours = model.generate(ids, cache=whole(name).make_cache(model), **kwargs)
+    ours = model.generate(ids, cache=whole(name, model, tokenizer).make_cache(model), **kwargs)
     assert torch.equal(ours, reference)
 
 
@@ -83,63 +91,83 @@ def test_generate_with_model_generate(real, emma_ids, name):
 def test_capacity_is_never_exceeded(real, emma_ids, name):
     model, _ = real
     capacity = 32
-    cache = make_policy(name, capacity=capacity).make_cache(model)
-    model(input_ids=emma_ids[:, :100], cache=cache, use_cache=True)
+    batch = Batch(model, make_policy(name, capacity=capacity))
+    batch.feed(emma_ids[:, :100])
     for i in range(100, 160):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
-        for layer in cache.layers:
-            assert layer.used <= capacity
-            assert int(layer.meta["valid"][:, :, : layer.used].sum(-1).max()) <= capacity
+        batch.step(emma_ids[:, i])
+        for layer in batch.cache.layers:
+            assert layer.slots.held == [capacity]
+            assert int(layer.slots.state["valid"].sum(-1).max()) == capacity  # the host's count is the device's
             assert layer.get_seq_length() == i + 1  # tokens seen keep counting
-    assert cache.held_bytes() == capacity * 30 * 3 * 64 * 2 * 4
+    assert batch.cache.held_bytes() == capacity * 30 * 3 * 64 * 2 * 4
 
 
 @torch.inference_mode()
 def test_sink_tokens_are_always_kept(real, emma_ids):
     model, _ = real
-    cache = make_policy("sink", capacity=24, sinks=4).make_cache(model)
-    model(input_ids=emma_ids[:, :50], cache=cache, use_cache=True)
+    batch = Batch(model, make_policy("sink", capacity=24, sinks=4))
+    batch.feed(emma_ids[:, :50])
     for i in range(50, 90):
-        model(input_ids=emma_ids[:, i : i + 1], cache=cache, use_cache=True)
-        for layer in cache.layers:
-            positions = layer.meta["position"][:, :, : layer.used]
-            kept = set(positions[0, 0].tolist())
+        batch.step(emma_ids[:, i])
+        for layer in batch.cache.layers:
+            state = layer.slots.state
+            kept = set(state["position"][0, 0][state["valid"][0, 0]].tolist())
             assert {0, 1, 2, 3} <= kept
             assert set(range(i + 1 - 20, i + 1)) <= kept  # and the 20 most recent
 
 
+def one_layer(policy, q: int, keys: torch.Tensor):
+    """A policy's layer 0 after one forward of ``keys`` (b, h, q, d) at positions 0..q-1, attended."""
+    layer = policy.layer(0, None, None)
+    b = keys.shape[0]
+    layer.begin(q, torch.arange(q).expand(b, q), None, [q] * b)
+    layer.update(keys, keys.clone())
+    return layer
+
+
 def test_h2o_keeps_the_heaviest_hitters_and_the_recent_tokens():
     """On the real layer object with known attention: the kept set is exactly top-score + recent."""
-    policy = make_policy("h2o", capacity=6, recent_ratio=0.5)
-    layer = policy.make_layer(0)
-    k = torch.randn(1, 2, 10, 4)
-    layer.update(k, k.clone(), kwargs={"position_ids": torch.arange(10)[None]})
-    layer.admit(None)
+    layer = one_layer(make_policy("h2o", capacity=6, recent_ratio=0.5), 10, torch.randn(1, 2, 10, 4))
     scores = torch.tensor([[5.0, 0.1, 4.0, 0.2, 3.0, 0.3, 0.4, 9.0, 0.5, 0.6], [0.0] * 9 + [1.0]])
-    layer.observe(scores[None], scores[None])
-    layer.commit(attended=10.0)
-    assert layer.used == 6
-    kept = [sorted(layer.meta["position"][0, h, :6].tolist()) for h in range(2)]
+    layer.rule.observe(layer.slots, scores[None], scores[None])
+    layer.evict()
+    assert layer.slots.held == [6]
+    state = layer.slots.state
+    kept = [sorted(state["position"][0, h][state["valid"][0, h]].tolist()) for h in range(2)]
     assert kept[0] == [0, 2, 4, 7, 8, 9]  # top-3 scores among the old tokens + 3 most recent
     assert kept[1][-3:] == [7, 8, 9] and len(set(kept[1])) == 6
 
 
-def test_compact_moves_only_the_kept_tail():
-    layer = KVLayer()
-    k = torch.arange(2 * 1 * 8 * 1, dtype=torch.float32).view(2, 1, 8, 1)
-    layer.update(k, k.clone(), kwargs={"position_ids": torch.arange(8)[None].expand(2, -1)})
-    layer.admit(None)
-    layer.used, layer.pending = 8, 0
-    keep = torch.tensor([[[1, 0, 1, 0, 0, 1, 1, 0]], [[0, 0, 0, 1, 1, 1, 1, 1]]], dtype=torch.bool)
-    layer.compact(keep)
-    assert layer.used == 5
-    for row in range(2):
-        valid = layer.meta["valid"][row, 0, :5]
-        kept = sorted(layer.meta["position"][row, 0, :5][valid].tolist())
-        assert kept == torch.nonzero(keep[row, 0]).flatten().tolist()
-        # each slot's key moved together with its position
-        keys, positions = layer.keys[row, 0, :5, 0][valid], layer.meta["position"][row, 0, :5][valid]
-        assert torch.equal(keys, (row * 8 + positions).float())
+@torch.inference_mode()
+def test_eviction_frees_a_slot_in_place_and_the_next_token_takes_it(tiny):
+    """No compaction: an evicted slot is marked empty and the next token is written into it."""
+    batch = Batch(tiny, make_policy("sink", capacity=8, sinks=2))
+    ids = torch.randint(0, 128, (2, 30))
+    batch.feed(ids[:, :8])
+    slots = batch.cache.layers[0].slots
+    pointer = slots.keys.data_ptr()
+    for i in range(8, 30):
+        before = slots.state["position"].clone()
+        batch.step(ids[:, i])
+        moved = (slots.state["position"] != before).sum(-1)  # slots whose token changed
+        assert bool((moved == 1).all())  # exactly one per row and head: the victim's, now the new token's
+        assert int(slots.state["position"].max()) == i and slots.n == 9  # capacity + the spare slot
+    assert slots.keys.data_ptr() == pointer
+
+
+def test_slots_fill_holes_before_growing():
+    slots = Slots()
+    k = torch.randn(2, 1, 4, 2)
+    write = slots.plan(4, [4, 4])
+    assert write.contiguous and write.length == 4
+    slots.write(write, k, k, torch.arange(4).expand(2, 4), None)
+    slots.drop(torch.tensor([[[1]], [[3]]]))
+    slots.forget([1, 1])
+    write = slots.plan(1, [1, 1])
+    assert not write.contiguous and write.length == 4  # one hole per row: no growth
+    where = slots.write(write, k[:, :, :1], k[:, :, :1], torch.full((2, 1), 9), None)
+    assert where.flatten().tolist() == [1, 3] and slots.held == [4, 4]
+    assert bool(slots.state["valid"][:, :, :4].all())
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +221,7 @@ def test_batched_greedy_equals_each_prompt_alone(real, name):
 
     model, tokenizer = real
     prompts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived an old"]
-    policy = make_policy(name, budget=0.5) if REGISTRY[name].bounded else make_policy(name)
+    policy = make_policy(name, budget=0.5) if REGISTRY[name].takes_budget else make_policy(name)
     sampling = Sampling(max_new_tokens=20)  # infinigen at its defaults: each sequence speculates for itself
     batched = generate(model, tokenizer, prompts, policy, sampling)
     alone = [generate(model, tokenizer, p, policy, sampling).token_ids[0] for p in prompts]
@@ -227,10 +255,8 @@ def test_cache_without_attach_is_refused(tiny):
     plain = LlamaForCausalLM(copy.deepcopy(tiny.config)).eval()
     plain.set_attn_implementation("sdpa")
     cache = make_policy("sink", capacity=4).make_cache(plain)
-    ids = torch.randint(0, 128, (1, 8))
-    plain(input_ids=ids, cache=cache, use_cache=True)
     with pytest.raises(InfinikvError, match="attach"):
-        plain(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        plain(input_ids=torch.randint(0, 128, (1, 8)), cache=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("name", ALL)

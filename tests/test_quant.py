@@ -5,7 +5,7 @@ import torch
 
 from infinikv import make_policy
 from infinikv.errors import InfinikvError
-from infinikv.policies.quant import dequantize, pack, quantize, unpack
+from infinikv.kv.quant import dequantize, pack, quantize, unpack
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,9 @@ def real_kv(real, emma_ids):
     cache = make_policy("full").make_cache(model)
     with torch.inference_mode():
         model(input_ids=emma_ids, cache=cache, use_cache=True)
-    return [t[:, :, : layer.used].clone() for layer in cache.layers[::10] for t in (layer.keys, layer.values)]
+    return [
+        t[:, :, : layer.slots.n].clone() for layer in cache.layers[::10] for t in (layer.slots.keys, layer.slots.values)
+    ]
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -51,7 +53,7 @@ def test_bytes_held_at_4_bits_are_an_eighth_plus_scales(real, emma_ids):
     assert full.held_bytes() == 100 * 30 * 3 * 512
     assert quant.held_bytes() == 100 * 30 * 3 * 80
     assert quant.held_bytes() / full.held_bytes() == pytest.approx(1 / 8 + 1 / 32)
-    assert quant.layers[0].keys.dtype == torch.uint8 and quant.layers[0].keys.shape[-1] == 32
+    assert quant.layers[0].slots.keys.dtype == torch.uint8 and quant.layers[0].slots.keys.shape[-1] == 32
 
 
 def test_pack_unpack_round_trip():

@@ -13,7 +13,7 @@ import pytest
 from infinikv import Sampling, generate, make_policy
 from infinikv.cli import main
 from infinikv.serve.bench import bench_serve, free_port
-from infinikv.serve.scheduler import _safe_end, worst_case_bytes
+from infinikv.serve.scheduler import _safe_end
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
@@ -247,10 +247,10 @@ def test_bad_input(server, path, body, status, says):
 
 def test_worst_case_bytes(real):
     config = real[0].config
-    assert worst_case_bytes(make_policy("full"), config, 100, 50) == 150 * PER_TOKEN
-    assert worst_case_bytes(make_policy("bct", capacity=64), config, 100, 500) == 100 * PER_TOKEN  # the prefill
-    assert worst_case_bytes(make_policy("bct", capacity=64), config, 10, 500) == 65 * PER_TOKEN
-    assert worst_case_bytes(make_policy("sink", budget=0.5), config, 10, 90) == 51 * PER_TOKEN
+    assert make_policy("full").worst_case_bytes(config, 100, 50) == 150 * PER_TOKEN
+    assert make_policy("bct", capacity=64).worst_case_bytes(config, 100, 500) == 100 * PER_TOKEN  # the prefill
+    assert make_policy("bct", capacity=64).worst_case_bytes(config, 10, 500) == 65 * PER_TOKEN
+    assert make_policy("sink", budget=0.5).worst_case_bytes(config, 10, 90) == 51 * PER_TOKEN
 
 
 def test_stop_strings_are_held_back():

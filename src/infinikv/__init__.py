@@ -1,12 +1,14 @@
 """infinikv: long-text LLM generation under a fixed KV-cache memory budget."""
 
 from .attention import attach
-from .engine import Generation, Sampling, generate
+from .core import Batch, Sampling
+from .engine import Generation, generate
 from .errors import InfinikvError
 from .models import load_model
-from .policies import KVCache, Policy, make_policy, policy_names
+from .policies import KVCache, Policy, make_policy, parse_spec, policy_names
 
 __all__ = [
+    "Batch",
     "Generation",
     "InfinikvError",
     "KVCache",
@@ -16,6 +18,7 @@ __all__ = [
     "generate",
     "load_model",
     "make_policy",
+    "parse_spec",
     "policy_names",
 ]
 __version__ = "0.1.0"

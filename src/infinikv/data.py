@@ -1,9 +1,12 @@
-"""Texts, offline: Jane Austen's six novels and the Jargon File from Debian packages, or any
-local ``.txt`` file.
+"""Texts, offline: Jane Austen's six novels and the Jargon File from Debian packages, Python
+source code from the running interpreter's standard library, or any local ``.txt`` file.
 
 ``fetch`` downloads the Debian packages with ``apt-get download`` (no installation, so R is not
 pulled in), unpacks them with ``dpkg-deb -x``, reads the novels out of R's lazy-load format with
 :mod:`infinikv.rdata`, and writes plain UTF-8 files under ``$INFINIKV_HOME/data``.
+
+``code:python`` needs no fetch: it is built on demand from the ``.py`` files that sit directly
+in the interpreter's stdlib directory (see :func:`python_source`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -26,13 +30,48 @@ AUSTEN = ["sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northa
 AUSTEN_PACKAGE, JARGON_PACKAGE = "r-cran-janeaustenr", "jargon-text"
 FETCH_HINT = "run `infinikv data fetch`, or give a local .txt file path"
 CHAPTER_ONE = re.compile(r"^(CHAPTER|Chapter) (I|1)\.?\s*$", re.MULTILINE)
+CODE_PYTHON = "code:python"
 
 
 def text_names() -> list[str]:
-    return [f"austen:{n}" for n in AUSTEN] + ["austen:all", "jargon"]
+    return [f"austen:{n}" for n in AUSTEN] + ["austen:all", "jargon", CODE_PYTHON]
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard-library directory (the base install's, even in a venv)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def python_files(root: Path | None = None) -> list[Path]:
+    """The files ``code:python`` is made of: every ``*.py`` file directly in the stdlib directory
+    (no packages, so no test suites, site-packages, idlelib or tkinter), sorted by file name
+    (code-point order, independent of locale and file system)."""
+    root = stdlib_dir() if root is None else root
+    return sorted((p for p in root.glob("*.py") if p.is_file()), key=lambda p: p.name)
+
+
+def python_source(root: Path | None = None) -> str:
+    """``code:python``: the stdlib's top-level ``.py`` files, each after a one-line header
+    ``# ==== <name>.py ====`` and ending with a newline, joined by a blank line.
+
+    Deterministic for a given Python installation (about 4.7 M characters from 168 files on
+    CPython 3.11); undecodable bytes, if any, are replaced, and line endings normalised to ``\\n``.
+    """
+    files = python_files(root)
+    if not files:
+        raise InfinikvError(f"no .py files in {root or stdlib_dir()}: this Python has no stdlib sources")
+    chunks = []
+    for path in files:
+        source = path.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n")
+        if not source.endswith("\n"):
+            source += "\n"
+        chunks.append(f"# ==== {path.name} ====\n{source}")
+    return "\n".join(chunks)
 
 
 def _file(name: str) -> Path:
+    if name == CODE_PYTHON:
+        return stdlib_dir()
     if name == "jargon":
         return data_dir() / "jargon.txt"
     return data_dir() / "austen" / f"{name.split(':', 1)[1]}.txt"
@@ -95,16 +134,19 @@ def fetch(force: bool = False) -> Path:
 
 
 def load_text(name: str, from_chapter_one: bool = False) -> str:
-    """A text by name (``austen:emma``, ``austen:all``, ``jargon``) or by ``.txt`` path.
+    """A text by name (``austen:emma``, ``austen:all``, ``jargon``, ``code:python``) or by ``.txt`` path.
 
     ``from_chapter_one`` skips an Austen novel's front matter (title, volume headings), as the
-    measurement protocols ask.
+    measurement protocols ask; other texts (``jargon``, ``code:python``, local files) have no
+    chapters and always start at their beginning.
     """
+    if name == CODE_PYTHON:
+        return python_source()
     if name in text_names():
         path = _file(name)
         if not path.is_file():
             raise InfinikvError(f"text {name!r} is not fetched yet: {FETCH_HINT}")
-    elif name.startswith("austen:"):
+    elif name.startswith(("austen:", "code:")):
         raise InfinikvError(f"unknown text {name!r}; choose from {', '.join(text_names())} or a .txt path")
     else:
         path = Path(name).expanduser()
@@ -130,14 +172,18 @@ def list_texts(tokenizer=None) -> list[dict]:
     rows = []
     for name in text_names():
         path = _file(name)
-        row = {"name": name, "path": str(path), "fetched": path.is_file(), "chars": None, "tokens": None}
-        if path.is_file():
-            text = path.read_text(encoding="utf-8")
+        code = name == CODE_PYTHON
+        present = path.is_dir() if code else path.is_file()
+        row = {"name": name, "path": str(path), "fetched": present, "chars": None, "tokens": None}
+        if present:
+            text = python_source() if code else path.read_text(encoding="utf-8")
             row["chars"] = len(text)
             if tokenizer is not None:
-                cached = counts.get(str(key), {}).get(name)
+                # code:python depends on the interpreter: count it per Python version
+                entry = f"{name}@{sys.version.split()[0]}:{len(text)}" if code else name
+                cached = counts.get(str(key), {}).get(entry)
                 row["tokens"] = cached if cached is not None else len(tokenizer(text).input_ids)
-                counts.setdefault(str(key), {})[name] = row["tokens"]
+                counts.setdefault(str(key), {})[entry] = row["tokens"]
         rows.append(row)
     if tokenizer is not None and data_dir().is_dir():
         cache_file.write_text(json.dumps(counts))

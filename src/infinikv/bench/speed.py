@@ -12,7 +12,9 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from ..core import Batch, Reference
 from ..policies import Policy
+from ..policies.base import model_shape
 
 
 @torch.inference_mode()
@@ -74,16 +76,10 @@ def kv_bytes_attended(cache) -> float:
     """K/V bytes one decode step's attention reads: the keys each layer attended (mean over the
     decode steps) at that layer's bytes per token (packed, for ``quant``)."""
     counts, _ = cache.attended()
-    return sum(n * layer.bytes_per_slot() for n, layer in zip(counts, cache.layers, strict=True))
+    return sum(n * layer.slots.bytes_per_token() for n, layer in zip(counts, cache.layers, strict=True))
 
 
-@torch.inference_mode()
-def prefill(model, ids: torch.Tensor, policy: Policy, chunk: int = 1024):
-    """A cache holding ``ids`` (1, n), filled in chunks so that long contexts fit in memory."""
-    cache = policy.make_cache(model)
-    for begin in range(0, ids.shape[1], chunk):
-        model(input_ids=ids[:, begin : begin + chunk], cache=cache, use_cache=True, logits_to_keep=1)
-    return cache
+REFERENCE = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the row to beat
 
 
 @torch.inference_mode()
@@ -97,57 +93,85 @@ def bench_speed(
     progress: bool = True,
     bandwidth: float | None = None,
     chunk: int = 1024,
+    compile: bool = False,
+    reference: bool = True,
 ):
-    """Yield one result per (context, policy): median ms per decode step, ratio to ``full``,
-    memory, and the floor ``(weights + K/V touched per step) / bandwidth`` (bytes/s; measured
-    by ``triad_bandwidth`` when not given) with the efficiency floor / measured."""
+    """Yield one result per (context, run): median ms per decode step, ratio to ``full``, memory,
+    and the floor ``(weights + K/V touched per step) / bandwidth`` (bytes/s; measured by
+    ``triad_bandwidth`` when not given) with the efficiency floor / measured.
+
+    Every run decodes the same tokens, interleaved step by step. ``reference`` adds transformers'
+    own ``DynamicCache`` (``hf-dynamic``); ``compile`` adds a compiled run of every compilable
+    policy next to its eager one, so the bench says whether compiling pays on this machine.
+    """
     process = psutil.Process()
     device = next(model.parameters()).device
     ids = ids.to(device)
     bandwidth = bandwidth or triad_bandwidth(device)
     link = host_to_device_bandwidth(device) if device.type == "cuda" else None
     weights = weight_bytes(model)
+    layers, n_kv, head_dim = model_shape(model.config)
+    token_bytes = 2 * n_kv * head_dim * next(model.parameters()).element_size()  # one token, one layer
 
     def sync() -> None:  # CUDA runs asynchronously: time finished work only
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     for context in contexts:
-        caches = {}
-        for policy in tqdm(policies, desc=f"prefill {context}", disable=not progress, leave=False):
-            caches[str(policy)] = prefill(model, ids[:, :context], policy, chunk)
-        times: dict[str, list[float]] = {str(p): [] for p in policies}
-        tokens = ids[:, context : context + warmup + steps]
+        length = context + warmup + steps
+        runs: dict[str, tuple[dict, Batch | Reference]] = {}
+        if reference:
+            reference_row = {
+                "policy": REFERENCE,
+                "label": REFERENCE,
+                "budget": None,
+                "capacity": None,
+                "compiled": False,
+            }
+            runs[REFERENCE] = (reference_row, Reference(model))
+        for policy in policies:
+            for compiled in [False, True] if compile and policy.compilable else [False]:
+                key = repr(policy) + (" compiled" if compiled else "")
+                runs[key] = ({**policy.describe(), "compiled": compiled}, Batch(model, policy, compiled, length))
+        for _, run in tqdm(runs.values(), desc=f"prefill {context}", disable=not progress, leave=False):
+            run.prefill([ids[0, :context].tolist()], pad_id=0, chunk=chunk)
+        times: dict[str, list[float]] = {key: [] for key in runs}
+        tokens = ids[:, context:length]
         for step in tqdm(range(warmup + steps), desc=f"decode {context}", disable=not progress, leave=False):
-            for policy in policies:  # interleaved: every policy sees the same machine state
+            for key, (_, run) in runs.items():  # interleaved: every run sees the same machine state
                 sync()
                 begin = time.perf_counter()
-                model(input_ids=tokens[:, step : step + 1], cache=caches[str(policy)], use_cache=True)
+                run.step(tokens[:, step])
                 sync()
                 if step >= warmup:
-                    times[str(policy)].append(time.perf_counter() - begin)
-                elif step == warmup - 1:
-                    caches[str(policy)].reset_clock()
-        medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
-        reference = next((medians[str(p)] for p in policies if p.name == "full"), None)
+                    times[key].append(time.perf_counter() - begin)
+                elif step == warmup - 1 and isinstance(run, Batch) and not run.compile:
+                    run.cache.clock.enabled = True  # profile the timed steps (eager runs only)
+        medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
+        full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == "full" and not d["compiled"]), None)
         rss = process.memory_info().rss
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        for policy in policies:
-            cache = caches[str(policy)]
-            ms = medians[str(policy)]
-            mean_ms = statistics.mean(times[str(policy)]) * 1000
-            profile = {phase: round(s * 1000 / steps, 3) for phase, s in cache.clock().items()}
-            profile["rest"] = round(mean_ms - sum(profile.values()), 3)
-            transfer = cache.transfer_summary() or {}
-            attended, moved = kv_bytes_attended(cache), transfer.get("bytes_moved_per_step", 0)
+        for key, (description, run) in runs.items():
+            ms = medians[key]
+            if isinstance(run, Batch):
+                cache = run.cache
+                profile = {phase: round(s * 1000 / steps, 3) for phase, s in cache.clock.seconds.items()}
+                transfer = cache.transfer_summary() or {}
+                attended, held = kv_bytes_attended(cache), cache.held_bytes()
+            else:  # the reference attends to every token
+                profile, transfer = {}, {}
+                attended = held = (length - steps / 2) * layers * token_bytes
+            if profile:
+                profile["rest"] = round(statistics.mean(times[key]) * 1000 - sum(profile.values()), 3)
+            moved = transfer.get("bytes_moved_per_step", 0)
             floor = floor_ms(weights, attended, moved, bandwidth, link)
             yield {
-                **policy.describe(),
+                **description,
                 "context": context,
                 "ms_per_step": round(ms, 3),
                 "tokens_per_second": round(1000 / ms, 2),
-                "ratio_to_full": round(reference / ms, 3) if reference else None,
-                "kv_bytes": cache.held_bytes(),
+                "ratio_to_full": round(full / ms, 3) if full else None,
+                "kv_bytes": round(held),
                 "bytes_moved_per_step": moved,
                 **({"fetched_fraction": transfer["fetched_fraction"]} if transfer else {}),
                 "kv_bytes_attended_per_step": round(attended),
@@ -160,5 +184,6 @@ def bench_speed(
                 "rss_bytes": rss,
                 "peak_rss_bytes": peak_rss,  # the process's peak so far: every cache of this context alive
                 "profile_ms": profile,  # mean ms per step: speculate / fetch (not hidden) / attend / rest
+                **({"compile_seconds": round(run.compile_seconds, 2)} if getattr(run, "compile_seconds", None) else {}),
             }
-        del caches
+        del runs

@@ -8,6 +8,7 @@ import random
 import torch
 from tqdm import tqdm
 
+from ..core import Batch, Sampling, sample
 from ..errors import InfinikvError
 from ..policies import Policy
 
@@ -46,23 +47,17 @@ def needle_cases(
     return cases
 
 
-@torch.inference_mode()
 def answer(model, ids: torch.Tensor, policy: Policy, new_tokens: int = 8) -> list[int]:
-    """Greedy continuation of ``ids`` (1, n) under ``policy``."""
-    cache = policy.make_cache(model)
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    out = []
-    for _ in range(new_tokens):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(int(token))
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
-    return out
+    """Greedy continuation of ``ids`` (1, n) under ``policy`` (``new_tokens`` tokens, no early stop)."""
+    batch = Batch(model, policy, max_length=ids.shape[1] + new_tokens)
+    logits = batch.feed(ids.to(batch.device))
+    return sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids=[], pad_id=0)[0]
 
 
 def needle_accuracy(model, tokenizer, cases, policy: Policy, progress: bool = True) -> dict:
     """Exact-match accuracy of ``policy`` over ``cases``, with each case's answer."""
     rows = []
-    for ids, key, depth in tqdm(cases, desc=f"{policy}", disable=not progress, leave=False):
+    for ids, key, depth in tqdm(cases, desc=policy.label(), disable=not progress, leave=False):
         text = tokenizer.decode(answer(model, ids, policy), skip_special_tokens=True)
         rows.append({"depth": depth, "key": key, "answer": text.strip(), "hit": key in text})
     return {

@@ -10,6 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..core import Batch, model_device
 from ..errors import InfinikvError
 from ..policies import Policy
 
@@ -27,19 +28,22 @@ def context_tokens(tokenizer, text: str, context: int, continuation: int) -> tor
 
 
 @torch.inference_mode()
-def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress: bool = True) -> dict:
+def perplexity(
+    model, ids: torch.Tensor, policy: Policy, context: int, progress: bool = True, compile: bool = False
+) -> dict:
     """Run P-ctx on ``ids`` (1, context + continuation + 1) and return one result object."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     ids = ids.to(device)
     continuation = ids.shape[1] - context - 1
-    cache = policy.make_cache(model)
+    batch = Batch(model, policy, compile=compile, max_length=ids.shape[1])
     start = time.perf_counter()
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-    nll = torch.zeros((), dtype=torch.float64)
-    steps = tqdm(range(continuation), desc=f"{policy}", unit="tok", disable=not progress, leave=False)
+    batch.feed(ids[:, :context])
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    steps = tqdm(range(continuation), desc=policy.label(), unit="tok", disable=not progress, leave=False)
     for i in steps:
-        logits = model(input_ids=ids[:, context + i : context + i + 1], cache=cache, use_cache=True).logits
-        nll += torch.nn.functional.cross_entropy(logits[0, -1].double(), ids[0, context + i + 1])
+        logits = batch.step(ids[:, context + i])
+        nll += torch.nn.functional.cross_entropy(logits[0].double(), ids[0, context + i + 1])
+    cache = batch.cache
     counts, fractions = cache.attended()
     return {
         **policy.describe(),
@@ -52,4 +56,5 @@ def perplexity(model, ids: torch.Tensor, policy: Policy, context: int, progress:
         "context": context,
         "continuation": continuation,
         "seconds": round(time.perf_counter() - start, 3),
+        **({"compile_seconds": round(batch.compile_seconds, 2)} if batch.compile_seconds else {}),
     }

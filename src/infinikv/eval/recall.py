@@ -1,29 +1,25 @@
-"""Speculation recall: how much of the true attention mass InfiniGen's fetched set captures.
+"""Attention recall: how much of the true attention a policy's choice of tokens captures.
 
-Offline, with the full cache: at each decode step every layer's true attention is computed from
-its real query and all its keys, and compared with the sets that speculation from the previous
-layer's input would fetch. Methods compared (same alpha and cap):
-
-- ``pairs``: partial query weights over whole rotary pairs (infinikv's method; no full query);
-- ``columns``: the full next-layer query computed from the previous layer's input, masked to
-  its top columns (the reference code's way for RoPE models; costs the whole W_q product);
-- ``oracle``: the true top tokens, as many as ``pairs`` fetched (an upper bound).
+At each decode step (teacher-forced on real text) and in each layer, the true attention of the
+step's query is computed over every token with the full cache, and two shares of its mass are
+reported: the share on the tokens the policy attends to (its kept slots, or the rows a two-tier
+policy fetched, plus the current token), and the share the *oracle* gets with the same number
+of tokens (the true top tokens per KV head, an upper bound). Both runs see the same tokens; the
+truth uses the full model's own query, so the recall measures the policy's choice, not its drift.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from tqdm import tqdm
 
-from ..policies import make_policy
-from ..policies.infinigen import attention_modules, is_rotary, kept_columns, partial_weights
-from ..speculation import partial_query, select_tokens, speculative_scores
+from ..core import Batch
+from ..policies import Policy, make_policy
 
 
-def full_query(module: torch.nn.Module, x: torch.Tensor, rope: tuple | None, head_dim: int) -> torch.Tensor:
-    """A layer's whole query for input x (1, 1, D), rotated when ``rope`` is given: (1, H, 1, d)."""
+def _query(module: torch.nn.Module, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    """A layer's query for its attention input x (1, 1, D), rotated when ``rope`` is given: (1, H, 1, d)."""
+    head_dim = module.head_dim
     q = module.q_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
     if rope is None:
         return q
@@ -33,91 +29,63 @@ def full_query(module: torch.nn.Module, x: torch.Tensor, rope: tuple | None, hea
 
 
 @torch.inference_mode()
-def speculation_recall(
-    model,
-    ids: torch.Tensor,
-    prep: dict,
-    context: int,
-    alpha: float,
-    partial_ratio: float,
-    max_fetch: float,
-    dense_layers: int = 2,
-    progress: bool = True,
-) -> dict:
-    """Mean recall and fetched fraction per method and per layer over ``ids[context:]`` decode steps."""
-    modules = attention_modules(model)
-    config = model.config
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    rotary = is_rotary(model)
-    keep = max(1, round(partial_ratio * d))
-    first = max(1, dense_layers)
-    inputs: dict[int, tuple] = {}
+def attention_recall(model, ids: torch.Tensor, policy: Policy, context: int, progress: bool = True) -> dict:
+    """Mean recall and oracle recall per layer over the decode steps ``ids[context:]`` (1, n)."""
+    modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}
+    truth, ours = Batch(model, make_policy("full")), Batch(model, policy)
+    captured: dict[int, tuple] = {}
+    chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    capturing = [False]
 
     def capture(module, args, kwargs):
-        inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
+        if capturing[0]:
+            captured[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
 
-    cache = make_policy("full").make_cache(model)
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    for index, layer in enumerate(ours.cache.layers):
+        layer.observer = lambda positions, mask, i=index: chosen.__setitem__(i, (positions, mask))
+    ids = ids.to(truth.device)
+    truth.feed(ids[:, :context])
+    ours.feed(ids[:, :context])
     hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
-    methods = ("pairs", "columns", "oracle")
-    recall = {m: [[] for _ in modules] for m in methods}
-    fetched = {m: [[] for _ in modules] for m in methods}
+    n_layers = len(modules)
+    recall, oracle, share = ([[] for _ in range(n_layers)] for _ in range(3))
     try:
-        for step in tqdm(range(context, ids.shape[1]), desc="recall", disable=not progress, leave=False):
-            model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
-            for i in range(first, len(modules)):
-                module, (x, rope), (x_prev, _) = modules[i], inputs[i], inputs[i - 1]
-                rope = rope if rotary else None
-                keys = cache.layers[i].keys[:, :, : cache.layers[i].used]  # (1, h, n + 1, d), current token last
-                n = keys.shape[2] - 1
-                cap = max(1, math.ceil(max_fetch * n))
-                q = full_query(module, x, rope, d).view(1, n_kv, -1, d)  # (1, h, g, d)
-                truth = (torch.einsum("bhgd,bhnd->bhgn", q, keys) * module.scaling).softmax(-1)
-                truth = truth.mean(2)  # (1, h, n + 1): the group's mean attention per KV head
-                # pairs: partial weights, no full query
-                cols = kept_columns(prep, i, rotary, partial_ratio, d)
-                weight, bias = partial_weights(module, cols)
-                sel_cos, sel_sin = (rope[0][:, :, cols], rope[1][:, :, cols]) if rotary else (None, None)
-                pq = partial_query(x_prev, weight, bias, sel_cos, sel_sin)
-                partial_keys = keys[:, :, :n].gather(-1, cols[None, :, None, :].expand(1, -1, n, -1))
-                rows, mask = select_tokens(
-                    speculative_scores(pq, partial_keys, module.scaling)[:, :, :, -1], alpha, cap
-                )
-                chosen = {"pairs": (rows, mask)}
-                # columns: the full query from the previous layer's input, top columns only
-                top = torch.tensor(prep["column_ranking"][i])[:, :keep]
-                q_prev = full_query(module, x_prev, rope, d).view(1, n_kv, -1, 1, d)
-                q_cols = q_prev.gather(-1, top[None, :, None, None, :].expand(1, -1, q_prev.shape[2], 1, -1))
-                k_cols = keys[:, :, :n].gather(-1, top[None, :, None, :].expand(1, -1, n, -1))
-                scores = torch.einsum("bhgqc,bhnc->bhgqn", q_cols, k_cols)[:, :, :, -1] * module.scaling
-                chosen["columns"] = select_tokens(scores, alpha, cap)
-                count = int(mask.sum(-1).max())
-                oracle = truth[..., :n].topk(count, -1).indices.sort(-1).values
-                chosen["oracle"] = (oracle, torch.ones_like(oracle, dtype=torch.bool))
-                for name, (r, m) in chosen.items():
-                    mass = (truth[..., :n].gather(-1, r) * m).sum(-1) + truth[..., n]
-                    recall[name][i].append(float(mass.mean()))
-                    fetched[name][i].append(float(m.sum(-1).float().mean()) / n)
+        for step in tqdm(range(context, ids.shape[1]), desc=f"recall {policy.label()}", disable=not progress):
+            capturing[0] = True
+            truth.step(ids[:, step])
+            capturing[0] = False
+            ours.step(ids[:, step])
+            for i, module in modules.items():
+                slots = truth.cache.layers[i].slots
+                keys = slots.keys[:, :, : slots.n]  # every token, the current one last, in order
+                n_kv, n = keys.shape[1], keys.shape[2]
+                x, rope = captured[i]
+                q = _query(module, x, rope).view(1, n_kv, -1, keys.shape[-1])
+                probs = (torch.einsum("bhgd,bhnd->bhgn", q, keys) * module.scaling).softmax(-1).mean(2)  # (1, h, n)
+                positions, mask = chosen[i]
+                got = (probs.gather(-1, positions.clamp(max=n - 1)) * mask).sum(-1)  # (1, h)
+                count = mask.sum(-1)  # tokens attended per KV head
+                top = probs.topk(int(count.max()), dim=-1).values
+                best = (top * (torch.arange(top.shape[-1], device=top.device) < count[..., None])).sum(-1)
+                recall[i].append(float(got.mean()))
+                oracle[i].append(float(best.mean()))
+                share[i].append(float(count.float().mean()) / n)
     finally:
         for hook in hooks:
             hook.remove()
+        for layer in ours.cache.layers:
+            layer.observer = None
 
-    def mean(values):
-        return sum(values) / len(values) if values else None
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
 
     return {
+        **policy.describe(),
         "context": context,
         "steps": ids.shape[1] - context,
-        "alpha": alpha,
-        "partial_ratio": partial_ratio,
-        "max_fetch": max_fetch,
-        "methods": {
-            name: {
-                "recall": mean([v for layer in recall[name] for v in layer]),
-                "fetched_fraction": mean([v for layer in fetched[name] for v in layer]),
-                "recall_per_layer": [round(mean(layer), 4) if layer else None for layer in recall[name]],
-            }
-            for name in methods
-        },
+        "recall": mean([mean(layer) for layer in recall]),
+        "oracle_recall": mean([mean(layer) for layer in oracle]),
+        "attended_fraction": mean([mean(layer) for layer in share]),
+        "recall_per_layer": [round(mean(layer), 4) for layer in recall],
+        "oracle_recall_per_layer": [round(mean(layer), 4) for layer in oracle],
     }

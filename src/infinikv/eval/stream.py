@@ -11,6 +11,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from ..core import Batch
 from ..policies import Policy
 
 
@@ -24,17 +25,17 @@ def stream(
     token before it; each window's row has its perplexity, the process RSS at its end and the
     KV bytes the cache held then.
     """
-    device = next(model.parameters()).device
-    ids = ids.to(device)
+    batch = Batch(model, policy)
+    ids = ids.to(batch.device)
     total = ids.shape[1]
-    cache = policy.make_cache(model)
+    cache = batch.cache
     process = psutil.Process()
     nll = torch.zeros(total - 1, dtype=torch.float64)
     rows, start = [], time.perf_counter()
-    bar = tqdm(total=total, desc=f"{policy}", unit="tok", disable=not progress, leave=False)
+    bar = tqdm(total=total, desc=policy.label(), unit="tok", disable=not progress, leave=False)
     for begin in range(0, total - 1, chunk):
         end = min(begin + chunk, total - 1)
-        logits = model(input_ids=ids[:, begin:end], cache=cache, use_cache=True).logits[0]
+        logits = batch.feed(ids[:, begin:end], keep_all=True)[0]
         nll[begin:end] = torch.nn.functional.cross_entropy(
             logits.double(), ids[0, begin + 1 : end + 1], reduction="none"
         )

@@ -1,41 +1,35 @@
-"""The KV-policy interface: a policy builds one ``KVLayer`` per model layer inside a ``KVCache``.
+"""The policy contract: options, budgets, eviction rules, and the ``Policy`` that composes them.
 
-A ``KVLayer`` is a transformers cache layer (``CacheLayerMixin``) that stores K/V in *slots*.
-Each forward of a layer goes through four calls, always in this order:
-
-1. ``update(k, v)`` (called by the model): write the ``q`` new tokens into free slots and
-   return every stored slot plus the new ones (new tokens last);
-2. ``admit(new_valid)`` (called by infinikv's attention function): which new tokens are real,
-   not left padding (only the attention mask knows);
-3. ``observe(mass, last)``: attention probabilities, for policies that score tokens
-   (``observes_attention = True``);
-4. ``commit()``: evict down to the budget, in place, by the policy's ``priority``.
-
-Slots are kept per sequence and per KV head, so each row (b, h) keeps its own tokens; the order
-of slots carries no meaning because infinikv's attention builds its own mask from ``valid``.
-The layer counts every token *seen* (``cumulative_length``), which drives RoPE positions and
-``generate``'s input slicing, while ``used`` counts slots physically stored.
+A policy is declared once and built from parts with one job each (see ``layer.KVLayer``):
+slot storage (growing, or allocated once), an eviction ``Rule`` (scores per slot; the layer
+drops the lowest), an optional fetcher (two tiers) and an optional re-positioner. What the CLI
+and the server need from a policy they ask through its declared capabilities (``options``,
+``worst_case_bytes``, ``needs_preparation``/``prepare``, ``compilable``, ``describe``/``label``),
+never through its name.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import InfinikvError
-from ..rope import RotaryTable, evicted_before, rotate
+from ..kv.slots import Slots, StateSpec
+
+if TYPE_CHECKING:
+    from .layer import KVCache, KVLayer
+
+TRUE, FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
 @dataclass(frozen=True)
 class Option:
-    """A policy parameter, exposed as ``--NAME`` on the command line."""
+    """A policy parameter: ``--NAME`` on the command line, ``"name"`` in a JSON ``kv`` spec."""
 
     name: str
     type: type
@@ -48,8 +42,21 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
     def parse(self, value: Any) -> Any:
+        """A value from a flag (a string) or from JSON (typed), converted and checked."""
         try:
-            parsed = self.type(value)
+            if self.type is bool and not isinstance(value, bool):
+                text = str(value).lower()
+                if text not in TRUE | FALSE:
+                    raise ValueError
+                parsed: Any = text in TRUE
+            elif self.type is int and isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                parsed = int(value)
+            elif self.type in (int, float) and isinstance(value, bool):
+                raise ValueError
+            else:
+                parsed = self.type(value)
         except (TypeError, ValueError):
             raise InfinikvError(f"{self.flag} expects {self.type.__name__}, got {value!r}") from None
         if self.check is not None and not self.check(parsed):
@@ -72,408 +79,232 @@ class Budget:
         if self.tokens is not None and self.tokens < 1:
             raise InfinikvError(f"--capacity must be at least 1 token, got {self.tokens}")
 
-    def capacity(self, seen: torch.Tensor) -> torch.Tensor:
-        """Tokens each sequence may keep, given the real tokens it has seen ``(b,) -> (b,)``."""
+    def capacity(self, seen: int) -> int:
+        """Tokens a sequence that has seen ``seen`` real tokens may keep."""
         if self.tokens is not None:
-            return torch.full_like(seen, self.tokens)
-        return torch.ceil(seen * self.fraction).long().clamp(min=1)
+            return self.tokens
+        return max(1, math.ceil(seen * self.fraction))
 
     def __str__(self) -> str:
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.tokens} tokens"
 
 
-class KVLayer(CacheLayerMixin):
-    """A cache layer that stores K/V in slots and evicts by a policy's priority.
+@dataclass(frozen=True)
+class Scoring:
+    """What a rule may use to score slots: the slots' length, each row's capacity and the
+    position of its newest token, as ``(b, 1, 1)`` tensors."""
 
-    With ``budget=None`` it keeps everything (the ``full`` policy). Subclasses that evict
-    implement ``priority``; those that need attention weights set ``observes_attention``.
-    """
-
-    is_sliding = False
-    is_croppable = False  # eviction makes "drop the last n tokens" meaningless
-    is_compileable = False
-    observes_attention: ClassVar[bool] = False
-
-    def __init__(self, budget: Budget | None = None, fixed: bool = False) -> None:
-        super().__init__()
-        self.budget = budget
-        # fixed: the capacity is settled by the first chunk (``--budget`` x its length, or
-        # ``--capacity``) and the storage is allocated once for it, never to grow again.
-        self.fixed = fixed
-        self.fixed_capacity: int | None = None  # storage slots, less the spare one
-        self.row_capacity: torch.Tensor | None = None  # (b,) a fixed layer's capacity per sequence
-        self._storage: tuple | None = None  # the fixed storage while a large chunk is staged
-        self.cumulative_length = 0  # tokens seen, padding included; reset() zeroes it
-        self.used = 0  # slots holding a token, the same count in every row
-        self.pending = 0  # newest slots written by update() and not yet committed
-        self.meta: dict[str, torch.Tensor] = {}  # per-slot state, each (b, h, S)
-        self.real_seen: torch.Tensor | None = None  # (b,) real tokens seen per sequence
-        self.trace: list[tuple[int, int, float]] = []  # per forward: (q, seen, keys attended)
-        self.clock: dict[str, float] = defaultdict(float)  # seconds spent per phase (see bench speed)
-        self.peak_bytes = 0
-        # RoPE angles when kept keys are renumbered by rank (bct --positions rank), else None
-        self.rank_angles: RotaryTable | None = None
-        self.rank_after = 0  # a sequence uses ranks once it has seen more real tokens than this
-
-    # -- storage ---------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, d = key_states.shape
-        self.device = key_states.device
-        self.keys = key_states.new_empty(b, h, 0, d)
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
-        self.meta = {
-            "valid": torch.zeros(b, h, 0, dtype=torch.bool, device=self.device),
-            "position": torch.zeros(b, h, 0, dtype=torch.long, device=self.device),
-            # evicted tokens older than the slot's: its rank among kept tokens is position - shift
-            **({"shift": torch.zeros(b, h, 0, dtype=torch.long, device=self.device)} if self.repositions else {}),
-            **{
-                name: torch.zeros(b, h, 0, dtype=dtype, device=self.device) for name, dtype in self.extra_meta().items()
-            },
-        }
-        self.real_seen = torch.zeros(b, dtype=torch.long, device=self.device)
-        self.is_initialized = True
-        if self.fixed:
-            budget = self.budget
-            q = key_states.shape[2]
-            self.fixed_capacity = budget.tokens if budget.tokens is not None else max(1, math.ceil(budget.fraction * q))
-            self._grow(self.fixed_capacity + 1)  # one spare slot: a decode step attends before it evicts
-
-    def extra_meta(self) -> dict[str, torch.dtype]:
-        """Per-slot state a policy adds (name -> dtype); moved along with its slot on eviction."""
-        return {}
-
-    def initial_meta(self, name: str) -> float:
-        """The value a new token's slot starts with in the extra state ``name``."""
-        return 0
-
-    def slot_tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, *self.meta.values()]
-
-    def reserve(self, slots: int) -> None:
-        """Make room for ``slots`` slots.
-
-        Growing layers grow geometrically (appends amortised O(1)). A fixed layer never grows:
-        a chunk larger than its spare room is staged in temporary tensors, and ``commit``
-        writes the survivors back into the fixed storage.
-        """
-        size = self.keys.shape[2]
-        if slots <= size:
-            return
-        if self.fixed:
-            self._storage = (self.keys, self.values, self.meta)
-            self._grow(slots)
-        else:
-            self._grow(max(slots, 2 * size, 16))
-
-    def _grow(self, new_size: int) -> None:
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros(*t.shape[:2], new_size, *t.shape[3:])
-            out[:, :, : self.used] = t[:, :, : self.used]
-            return out
-
-        self.keys, self.values = grown(self.keys), grown(self.values)
-        self.meta = {name: grown(t) for name, t in self.meta.items()}
-
-    def _unstage(self) -> None:
-        """Copy the surviving slots of a staged chunk back into the fixed storage."""
-        keys, values, meta = self._storage
-        keys[:, :, : self.used] = self.keys[:, :, : self.used]
-        values[:, :, : self.used] = self.values[:, :, : self.used]
-        for name, t in meta.items():
-            t[:, :, : self.used] = self.meta[name][:, :, : self.used]
-        self.keys, self.values, self.meta, self._storage = keys, values, meta, None
-
-    # -- the transformers contract ---------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.pending:
-            raise InfinikvError(
-                "this model's attention does not run through infinikv: call infinikv.attach(model) "
-                "(infinikv.load_model does it) before using an infinikv cache"
-            )
-        q = key_states.shape[2]
-        start, end = self.used, self.used + q
-        self.reserve(end)
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        positions = (kwargs.get("kwargs") or {}).get("position_ids")
-        if positions is None:
-            positions = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
-        self.meta["position"][:, :, start:end] = positions.to(self.device).view(-1, 1, q)
-        self.meta["valid"][:, :, start:end] = True
-        for name in self.extra_meta():
-            self.meta[name][:, :, start:end] = self.initial_meta(name)
-        self.cumulative_length += q
-        self.pending = q
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Every stored slot is visible and the new tokens are causal among themselves.
-        return self.used + query_length, self.cumulative_length - self.used
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        super().reset()
-        self.used = self.pending = self.peak_bytes = 0
-        self.row_capacity = None
-        self.trace.clear()
-        if self.is_initialized:
-            for t in self.meta.values():
-                t.zero_()
-            self.real_seen.zero_()
-
-    # -- infinikv's side of each forward ---------------------------------------------------
-    def admit(self, new_valid: torch.Tensor | None) -> None:
-        """Mark which of the ``pending`` new tokens are real ``(b, q)``; None means all are."""
-        q = self.pending
-        if new_valid is None:
-            self.real_seen += q
-            return
-        self.meta["valid"][:, :, self.used : self.used + q] = new_valid.view(-1, 1, q)
-        self.real_seen += new_valid.sum(-1).to(self.real_seen.dtype).expand_as(self.real_seen)
-
-    def starts_clean(self) -> bool:
-        """True for a first chunk of several real tokens: attention is then plainly causal."""
-        return self.used == 0 and self.pending > 1 and bool(self.meta["valid"][:, :, : self.pending].all())
-
-    def visibility(self) -> torch.Tensor | None:
-        """Which stored keys each new query sees ``(b, h, q, L)``, or None when it sees all of them.
-
-        Stored keys are visible when valid; the ``q`` new keys are causal among themselves, and a
-        new token always sees itself (so a padding query still has one key to attend to).
-        """
-        q, length = self.pending, self.used + self.pending
-        valid = self.meta["valid"][:, :, :length]
-        if q == 1 and bool(valid.all()):
-            return None
-        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        visible = valid[:, :, None, :].expand(-1, -1, q, -1).clone()
-        visible[:, :, :, self.used :] &= causal
-        visible[:, :, :, self.used :] |= torch.eye(q, dtype=torch.bool, device=self.device)
-        return visible
-
-    @property
-    def repositions(self) -> bool:
-        return self.rank_angles is not None
-
-    def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries (b, H, q, d) and keys (b, h, L, d) to attend with.
-
-        Unchanged unless the layer repositions: then each key sits at its rank among the kept
-        tokens and each query right after them, so positions never outgrow the capacity (see
-        ``infinikv.rope``), in sequences that have seen more than ``rank_after`` tokens. Without
-        eviction, or below that length, both are returned as they are, bit for bit.
-        """
-        if not self.repositions:
-            return query, key
-        length = self.used + self.pending
-        evicted = self.real_seen[:, None] - self.meta["valid"][:, :, :length].sum(-1)  # (b, h)
-        shift = self.meta["shift"][:, :, :length]
-        shift[:, :, self.used :] = evicted[..., None]  # every evicted token is older than a new one
-        ranked = (self.real_seen > self.rank_after)[:, None]  # (b, 1)
-        if not bool((evicted * ranked).any()):
-            return query, key
-        evicted, shift = evicted * ranked, shift * ranked[..., None]
-        b, n_heads, q, d = query.shape
-        n_kv = key.shape[1]
-        cos, sin = self.rank_angles(evicted[:, :, None, None])  # the queries move back by the evictions
-        moved_query = rotate(query.reshape(b, n_kv, -1, q, d), cos, -sin).reshape(b, n_heads, q, d)
-        cos, sin = self.rank_angles(shift)
-        return moved_query, rotate(key, cos, -sin)
-
-    def speculate(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Called as the *previous* layer's attention starts, with its input ``x`` (b, q, D) and
-        the RoPE ``(cos, sin)``: a layer that fetches ahead (InfiniGen) starts its fetch here."""
-
-    def logit_bias(self) -> torch.Tensor | None:
-        """An additive bias per stored slot ``(b, h, L)`` (e.g. log-weights of merged slots)."""
-        return None
-
-    def observe(self, mass: torch.Tensor, last: torch.Tensor) -> None:
-        """Attention received by each slot ``(b, h, L)``: ``mass`` summed over this forward's
-        queries and the KV head's query heads; ``last`` from the newest query only."""
-
-    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
-        """Keep-priority of the first ``length`` slots ``(b, h, L)``: the highest are kept."""
-        raise NotImplementedError
-
-    def capacity(self) -> torch.Tensor:
-        """Tokens each sequence may keep now ``(b,)``."""
-        if not self.fixed:
-            return self.budget.capacity(self.real_seen)
-        if self.row_capacity is None:  # settled once, by the real tokens of the first chunk
-            self.row_capacity = self.budget.capacity(self.real_seen)
-        return self.row_capacity
-
-    def commit(self, attended: float) -> None:
-        """Close this forward: log it, then evict down to the budget."""
-        length = self.used + self.pending
-        self.trace.append((self.pending, self.cumulative_length, attended))
-        self.used, self.pending = length, 0
-        if self.budget is not None:
-            capacity = self.capacity()
-            valid = self.meta["valid"][:, :, :length]
-            if bool((valid.sum(-1) > capacity[:, None]).any()):
-                priority = self.priority(length, capacity).masked_fill(~valid, -math.inf)
-                rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-                keep = valid & (rank < capacity[:, None, None])
-                if self.repositions:
-                    position = self.meta["position"][:, :, :length]
-                    self.meta["shift"][:, :, :length] += evicted_before(position, valid & ~keep)
-                self.evict(keep)
-        if self._storage is not None:
-            self._unstage()
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
-
-    def evict(self, keep: torch.Tensor) -> None:
-        """Drop every valid slot outside ``keep`` ``(b, h, L)``."""
-        self.compact(keep)
-
-    def compact(self, keep: torch.Tensor) -> None:
-        """Drop the slots not in ``keep`` ``(b, h, L)`` by moving kept tail slots into holes.
-
-        Only the slots that move are copied (in place); rows keeping fewer tokens than the
-        longest row are left with invalid slots, which the attention mask hides.
-        """
-        length = keep.shape[-1]
-        kept = int(keep.sum(-1).max())
-        pairs = min(kept, length - kept)
-        self.meta["valid"][:, :, :length] &= keep
-        if pairs > 0:
-            head, tail = keep[:, :, :kept], keep[:, :, kept:]
-            holes = torch.sort(head.to(torch.uint8), dim=-1, stable=True).indices[..., :pairs]
-            movers = torch.sort((~tail).to(torch.uint8), dim=-1, stable=True).indices[..., :pairs] + kept
-            n_moves = tail.sum(-1, keepdim=True)
-            sources = torch.where(torch.arange(pairs, device=keep.device) < n_moves, movers, holes)
-            for t in self.slot_tensors():
-                src, dst = sources.to(t.device), holes.to(t.device)  # a slow tier may live elsewhere
-                if t.dim() == 4:
-                    src = src[..., None].expand(-1, -1, -1, t.shape[-1])
-                    dst = dst[..., None].expand(-1, -1, -1, t.shape[-1])
-                t.scatter_(2, dst, t.gather(2, src))
-        self.used = kept
-
-    def held_bytes(self) -> int:
-        """Bytes of K/V in the slots in use."""
-        return self.used * self.bytes_per_slot()
-
-    def allocated_bytes(self) -> int:
-        """Bytes of K/V storage allocated (slots in use plus room to grow)."""
-        return self.keys.shape[2] * self.bytes_per_slot() if self.is_initialized else 0
-
-    def bytes_per_slot(self) -> int:
-        if not self.is_initialized:
-            return 0
-        b, h, _, d = self.keys.shape
-        return b * h * (d + self.values.shape[-1]) * self.keys.element_size()
+    length: int
+    capacity: torch.Tensor
+    newest: torch.Tensor
 
 
-class KVCache(Cache):
-    """The one object that carries KV state across layers: a ``Cache`` of ``KVLayer`` objects."""
-
-    def __init__(self, layers: list[KVLayer], policy: Policy) -> None:
-        super().__init__(layers=layers)
-        self.policy = policy
-
-    def before_attention(self, layer_idx: int, x: torch.Tensor, position_embeddings: Any) -> None:
-        """Layer ``layer_idx``'s attention is about to run on ``x``: let the next layer prepare."""
-        if layer_idx + 1 < len(self.layers):
-            self.layers[layer_idx + 1].speculate(x, position_embeddings)
-
-    def clock(self) -> dict[str, float]:
-        """Seconds spent per phase (speculate, fetch, attend), summed over layers since reset."""
-        total: dict[str, float] = defaultdict(float)
-        for layer in self.layers:
-            for phase, seconds in layer.clock.items():
-                total[phase] += seconds
-        return dict(total)
-
-    def reset_clock(self) -> None:
-        for layer in self.layers:
-            layer.clock.clear()
-
-    def transfer_summary(self) -> dict[str, float] | None:
-        """Slow->fast traffic per decode step, for policies with two tiers (else None)."""
-        logs = [layer.transfers for layer in self.layers if getattr(layer, "transfers", None)]
-        if not logs:
-            return None
-        steps = max(len(log) for log in logs)
-        fetched = [tokens / seen for log in logs for seen, tokens, _ in log]
-        moved = sum(nbytes for log in logs for _, _, nbytes in log)
-        return {
-            "fetched_fraction": sum(fetched) / len(fetched),
-            "tokens_fetched_per_step": sum(t for log in logs for _, t, _ in log) / steps,
-            "bytes_moved_per_step": moved / steps,
-        }
-
-    def held_bytes(self) -> int:
-        return sum(layer.held_bytes() for layer in self.layers)
-
-    def allocated_bytes(self) -> int:
-        return sum(layer.allocated_bytes() for layer in self.layers)
-
-    def peak_bytes(self) -> int:
-        return sum(layer.peak_bytes for layer in self.layers)
-
-    def attended(self, decode_only: bool = True) -> tuple[list[float], list[float]]:
-        """Mean keys attended per forward, and that divided by the tokens seen, per layer."""
-        counts, fractions = [], []
-        for layer in self.layers:
-            rows = [(seen, n) for q, seen, n in layer.trace if q == 1 or not decode_only]
-            counts.append(sum(n for _, n in rows) / max(len(rows), 1))
-            fractions.append(sum(n / seen for seen, n in rows) / max(len(rows), 1))
-        return counts, fractions
-
-
-class Policy(ABC):
-    """A KV policy: its name, its budget and parameters, and how to build its layers.
-
-    Subclasses set ``name``, a docstring saying what they keep and why, their ``options``,
-    and implement ``make_layer``. ``bounded = False`` marks policies that take no budget.
+class Rule(ABC):
+    """An eviction rule: scores each slot, higher kept; when a row is over its capacity the layer
+    drops its lowest-scored valid slots (one ``argmin`` per decode step). A rule that needs the
+    attention probabilities sets ``observes``; per-slot state it keeps is declared in ``state``
+    and moves with its slot. ``evict`` may do more than drop (``merge`` folds a victim first).
     """
 
     name: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
-    bounded: ClassVar[bool] = True
+    observes: ClassVar[bool] = False
+    state: ClassVar[dict[str, StateSpec]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        """Attention each slot received ``(b, h, L)``: ``mass`` summed over this forward's queries and
+        the KV head's query heads; ``last`` from the newest query only."""
+        return None
+
+    @abstractmethod
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        """Keep-scores of the first ``at.length`` slots ``(b, h, L)``; ``inf`` means never evict."""
+
+    def logit_bias(self, slots: Slots, length: int) -> torch.Tensor | None:
+        """An additive attention-logit bias per slot ``(b, h, L)``, or None."""
+        return None
+
+    def evict(self, slots: Slots, victims: torch.Tensor, take: torch.Tensor | None, length: int) -> None:
+        """Remove ``victims`` (b, h, k) (where ``take``, when given)."""
+        slots.drop(victims, take)
+
+
+RULES: dict[str, type[Rule]] = {}
+
+
+def register_rule(cls: type[Rule]) -> type[Rule]:
+    """Class decorator: make an eviction rule available by its ``name`` (to ``bct --update-rule``)."""
+    RULES[cls.name] = cls
+    return cls
+
+
+def rule_options() -> dict[str, Option]:
+    """Every registered rule's options by name (rules sharing a name share its meaning)."""
+    return {o.name: o for cls in RULES.values() for o in cls.options}
+
+
+def model_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a transformers config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, n_kv, head_dim
+
+
+def bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
+    """K and V bytes one token takes in one layer of a model with ``config``."""
+    _, n_kv, head_dim = model_shape(config)
+    return 2 * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class Policy(ABC):
+    """A KV policy: its name, budget and options, the parts of each layer, and its capabilities.
+
+    Subclasses set ``name``, a docstring saying what they keep and why (with the paper), their
+    ``options`` and implement ``layer``. ``takes_budget = False`` marks policies without a budget.
+    """
+
+    name: ClassVar[str]
+    options: ClassVar[tuple[Option, ...]] = ()
+    takes_budget: ClassVar[bool] = True
+    needs_preparation: ClassVar[bool] = False  # a calibration must run (``prepare``) before caches are built
+    compilable: ClassVar[bool] = False  # its decode step has static shapes with a fixed capacity
+    two_tier: ClassVar[bool] = False  # keeps every token in a slow tier and fetches from it
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
-        known = {o.name: o for o in self.options}
+        known = {o.name: o for o in self.all_options()}
         unknown = set(params) - set(known)
         if unknown:
             raise InfinikvError(f"policy {self.name!r} has no parameter {sorted(unknown)[0]!r}")
-        self.params = {name: o.parse(params.get(name, o.default)) for name, o in known.items()}
+        self.given = {name: known[name].parse(value) for name, value in params.items()}
+        self.params = {name: self.given.get(name, o.default) for name, o in known.items()}
         self.budget = self.make_budget(budget, capacity)
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
-        """The budget from ``--budget``/``--capacity``; unbounded policies ignore both."""
-        if not self.bounded:
+        """The budget from ``--budget``/``--capacity``; policies without one ignore both."""
+        if not self.takes_budget:
             return None
         if budget is None and capacity is None:
             raise InfinikvError(f"policy {self.name!r} needs --budget FRACTION or --capacity TOKENS")
         return Budget(budget, capacity)
 
-    @abstractmethod
-    def make_layer(self, layer_idx: int) -> KVLayer: ...
+    @classmethod
+    def all_options(cls) -> tuple[Option, ...]:
+        """The options this policy takes (``options``, plus any a policy gathers from its parts)."""
+        return cls.options
 
-    def make_cache(self, model: torch.nn.Module) -> KVCache:
-        """A fresh cache for one generation (or one batch) with ``model``."""
-        return KVCache([self.make_layer(i) for i in range(model.config.num_hidden_layers)], self)
+    # -- building ----------------------------------------------------------------------------
+    @abstractmethod
+    def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
+        """Layer ``index``'s cache layer; ``static``: slots for a compiled step (see ``make_cache``)."""
+
+    def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
+        """A fresh cache for one batch with ``model``. ``max_length`` bounds the tokens a sequence
+        will see (so unbounded storage is allocated once); ``static`` fixes every shape of the decode
+        step for ``torch.compile`` (``compilable`` policies; ``full`` needs ``max_length``)."""
+        from .layer import KVCache
+
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+            raise InfinikvError(
+                f"{model.config.model_type} has sliding-window attention layers, which infinikv's caches do not "
+                "support yet; use a model without them (e.g. smollm2-135m, qwen2.5-coder-0.5b)"
+            )
+        size = self.static_size(model, max_length) if static else None
+        layers = [self.layer(i, model, size) for i in range(model.config.num_hidden_layers)]
+        return KVCache(layers, self.describe(), self.label())
+
+    def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:
+        """Slots per layer of a compiled decode step."""
+        raise InfinikvError(f"policy {self.label()!r} cannot be compiled (its cache shapes change as it runs)")
+
+    # -- capabilities ------------------------------------------------------------------------
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The most tokens a layer holds for one request: every prompt token until the prefill's
+        eviction, then its capacity plus the one token a decode step adds before evicting."""
+        total = prompt_tokens + max_new_tokens
+        if self.budget is None:
+            return total
+        return min(total, max(prompt_tokens, self.budget.capacity(total) + 1))
+
+    def worst_case_bytes(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+        """K/V bytes a request can hold at most (what a server's admission reserves)."""
+        per_token = config.num_hidden_layers * bytes_per_token(config)
+        return self.worst_case_tokens(config, prompt_tokens, max_new_tokens) * per_token
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        progress: bool = False,
+        calibration: str | None = None,
+        tokens: int | None = None,
+        force: bool = False,
+    ) -> str | None:
+        """Load the policy's saved preparation for ``model``, or run it (on ``calibration``, a text
+        name, ``tokens`` long; again with ``force``) and save it; says what it did, None if nothing."""
+        return None
+
+    def prepared_on(self) -> str | None:
+        """The text the loaded preparation was calibrated on (an evaluation should not use it)."""
+        return None
 
     def describe(self) -> dict[str, Any]:
+        """The policy as a result row: name, budget, capacity and the options it uses."""
         budget = self.budget
         return {
             "policy": self.name,
+            "label": self.label(),
             "budget": budget.fraction if budget else None,
             "capacity": budget.tokens if budget else None,
             **self.params,
         }
 
+    def label(self) -> str:
+        """A short name that tells this policy's cells apart in tables (e.g. ``bct:merge``,
+        ``infinigen alpha=8.0``); the budget is shown apart."""
+        return self.named(self.name)
+
+    def named(self, head: str, shown: tuple[str, ...] = ()) -> str:
+        """``head`` followed by the options given by hand, but those ``head`` already shows."""
+        return " ".join([head, *(f"{k}={v}" for k, v in self.given.items() if k not in shown)])
+
+    def spec(self) -> dict[str, Any]:
+        """The JSON form that ``policies.parse_spec`` turns back into this policy."""
+        budget = self.budget
+        out: dict[str, Any] = {"policy": self.name}
+        if budget is not None:
+            out["budget" if budget.fraction is not None else "capacity"] = budget.fraction or budget.tokens
+        return {**out, **self.given}
+
     def __repr__(self) -> str:
-        parts = ([f"budget={self.budget}"] if self.budget else []) + [f"{k}={v}" for k, v in self.params.items()]
-        return f"{self.name}({', '.join(parts)})" if parts else self.name
+        parts = ([f"budget={self.budget}"] if self.budget else []) + [f"{k}={v}" for k, v in self.given.items()]
+        return f"{self.label()}({', '.join(parts)})" if parts else self.label()
+
+
+class Evicting(Policy):
+    """A policy that keeps a budget of tokens per layer by one eviction ``rule``: its storage grows
+    with a ``--budget`` fraction, and is allocated once (capacity + 1 slots) when compiled."""
+
+    rule: ClassVar[type[Rule]]
+    compilable = True
+
+    @classmethod
+    def all_options(cls) -> tuple[Option, ...]:
+        return cls.options + cls.rule.options
+
+    def make_rule(self, rule: type[Rule] | None = None) -> Rule:
+        rule = rule or self.rule
+        return rule(**{o.name: self.params[o.name] for o in rule.options})
+
+    def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
+        from .layer import KVLayer
+
+        slots = Slots(size=static, static=static is not None)
+        return KVLayer(slots, self.make_rule(), self.budget, fixed=static is not None)
+
+    def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:
+        if self.budget.tokens is None:
+            raise InfinikvError(f"compiling {self.label()} needs --capacity (a --budget fraction makes its cache grow)")
+        return self.budget.tokens + 1

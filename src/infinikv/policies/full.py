@@ -1,15 +1,27 @@
 """``full``: keep every token (the reference every other policy is measured against)."""
 
+import torch
+
+from ..errors import InfinikvError
+from ..kv.slots import Slots
 from . import register
-from .base import KVLayer, Policy
+from .base import Policy
+from .layer import KVLayer
 
 
 @register
 class Full(Policy):
-    """Keeps the whole KV cache; takes no budget."""
+    """Keeps the whole KV cache; takes no budget. Compiled, it needs the longest sequence it will
+    see (``max_length``), for which its storage is allocated once."""
 
     name = "full"
-    bounded = False
+    takes_budget = False
+    compilable = True
 
-    def make_layer(self, layer_idx: int) -> KVLayer:
-        return KVLayer(budget=None)
+    def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
+        return KVLayer(Slots(size=static, static=static is not None))
+
+    def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:
+        if max_length is None:
+            raise InfinikvError("compiling full needs the longest sequence it will hold (--max-length)")
+        return max_length

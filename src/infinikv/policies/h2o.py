@@ -7,41 +7,36 @@ import math
 
 import torch
 
-from . import register
-from .base import KVLayer, Option, Policy
+from ..kv.slots import Slots, StateSpec
+from . import register, register_rule
+from .base import Evicting, Option, Rule, Scoring
 
 
-class HeavyHitterLayer(KVLayer):
-    observes_attention = True
+@register_rule
+class HeavyHitter(Rule):
+    """Evicts the token with the least accumulated attention, outside a recent window."""
 
-    def __init__(self, budget, recent_ratio: float, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        self.recent_ratio = recent_ratio
-
-    def extra_meta(self) -> dict[str, torch.dtype]:
-        return {"score": torch.float32}
-
-    def observe(self, mass: torch.Tensor, last: torch.Tensor) -> None:
-        self.meta["score"][:, :, : mass.shape[-1]] += mass
-
-    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
-        recent = torch.ceil(capacity * self.recent_ratio).long()  # (b,)
-        newest = self.real_seen - 1
-        position = self.meta["position"][:, :, :length]
-        is_recent = position > (newest - recent)[:, None, None]
-        return torch.where(is_recent, math.inf, self.meta["score"][:, :, :length])
-
-
-@register
-class HeavyHitters(Policy):
-    """Heavy hitters + recent window, scored by accumulated attention."""
-
-    name = "h2o"
+    name = "heavy-hitter"
     options = (
         Option(
             "recent_ratio", float, 0.5, "share of the budget kept for recent tokens, in [0, 1]", lambda r: 0 <= r <= 1
         ),
     )
+    observes = True
+    state = {"score": StateSpec(torch.float32)}
 
-    def make_layer(self, layer_idx: int) -> KVLayer:
-        return HeavyHitterLayer(self.budget, self.params["recent_ratio"])
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        slots.state["score"][:, :, : mass.shape[-1]] += mass
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        recent = torch.ceil(at.capacity * self.params["recent_ratio"])
+        position = slots.state["position"][:, :, : at.length]
+        return torch.where(position > at.newest - recent, math.inf, slots.state["score"][:, :, : at.length])
+
+
+@register
+class HeavyHitters(Evicting):
+    """Heavy hitters + recent window, scored by accumulated attention."""
+
+    name = "h2o"
+    rule = HeavyHitter

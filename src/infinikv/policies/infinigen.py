@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import InfinikvError
+from ..kv.slots import Slots, StateSpec, expand_to
 from ..speculation import (
     column_scores,
     pair_scores,
@@ -29,9 +29,10 @@ from ..speculation import (
     skew_matrices,
     speculative_scores,
 )
-from ..tiers import TieredLayer
 from . import register
-from .base import Budget, KVCache, KVLayer, Option, Policy
+from .base import Budget, Option, Policy, Rule, Scoring
+from .layer import Fetcher, KVCache, KVLayer
+from .offload import slow_tier
 
 PREP_FILE = "infinikv-infinigen.json"
 DEFAULT_CALIBRATION = "austen:persuasion"
@@ -121,35 +122,26 @@ def skew(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     return matrices
 
 
+def prep_path(model: torch.nn.Module) -> Path:
+    """Where ``model``'s preparation is saved: next to its weights."""
+    folder = Path(model.name_or_path or "")
+    if not model.name_or_path or not folder.is_dir():
+        raise InfinikvError(f"infinigen's preparation is saved next to the model, but {folder} is not a folder")
+    return folder / PREP_FILE
+
+
 def prepare(
     model: torch.nn.Module, tokenizer, calibration: str = DEFAULT_CALIBRATION, tokens: int = 2048, progress: bool = True
 ) -> Path:
     """Calibrate on ``tokens`` tokens of a text and save the result next to the model."""
     from ..data import load_text
 
-    folder = Path(model.name_or_path)
-    if not model.name_or_path or not folder.is_dir():
-        raise InfinikvError(f"infinigen's preparation is saved next to the model, but {folder} is not a folder")
+    path = prep_path(model)
     ids = tokenizer(load_text(calibration, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
     prep = calibrate(model, ids[:, :tokens].to(next(model.parameters()).device), progress)
     prep["calibration"] = calibration
-    (folder / PREP_FILE).write_text(json.dumps(prep))
-    return folder / PREP_FILE
-
-
-def load_prep(model: torch.nn.Module) -> dict[str, Any]:
-    """The saved preparation of ``model``; prepared (once, with a progress bar) when missing."""
-    if not model.name_or_path:
-        raise InfinikvError(
-            "this model has no folder to keep infinigen's preparation in: set policy.prep = calibrate(...)"
-        )
-    path = Path(model.name_or_path) / PREP_FILE
-    if not path.is_file():
-        from transformers import AutoTokenizer
-
-        print(f"infinigen: preparing {model.name_or_path} on {DEFAULT_CALIBRATION} (once) ...", file=sys.stderr)
-        prepare(model, AutoTokenizer.from_pretrained(model.name_or_path), DEFAULT_CALIBRATION)
-    return json.loads(path.read_text())
+    path.write_text(json.dumps(prep))
+    return path
 
 
 def kept_columns(prep: dict[str, Any], layer: int, rotary: bool, ratio: float, head_dim: int) -> torch.Tensor:
@@ -172,14 +164,10 @@ def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[tor
     return weight.contiguous(), bias
 
 
-class InfiniGenLayer(TieredLayer):
-    """A sparse layer: partial keys in the fast tier, speculated rows fetched each decode step.
-
-    With a ``pool`` budget the slow tier is bounded: when full, the entry chosen by ``eviction``
-    is overwritten (with its partial key): ``counter`` the fewest fetches so far, ``lru`` the
-    least recently fetched, ``fifo`` the oldest. The newest tenth of the pool is never a victim,
-    so a token is not dropped before it could be fetched.
-    """
+class Speculation(Fetcher):
+    """One layer ahead, guesses the rows each KV head of this layer will attend to: the previous
+    layer's attention input times this layer's partial query weights, against the partial keys
+    (the kept columns of every stored key, a per-slot state on the fast tier)."""
 
     def __init__(
         self,
@@ -191,67 +179,103 @@ class InfiniGenLayer(TieredLayer):
         max_fetch: float,
         scaling: float,
         overlap: bool,
-        pool: Budget | None = None,
-        eviction: str = "counter",
+        pooled: bool,
     ) -> None:
-        super().__init__(overlap, budget=pool)
+        super().__init__(overlap)
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
-        self.alpha, self.max_fetch, self.scaling, self.eviction = alpha, max_fetch, scaling, eviction
+        self.alpha, self.max_fetch, self.scaling, self.pooled = alpha, max_fetch, scaling, pooled
+        self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False)}
+        if pooled:  # what the bounded pool's eviction rules read
+            self.specs |= {"fetches": StateSpec(torch.float32), "last_fetch": StateSpec(torch.float32)}
         self.steps = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        b, h = key_states.shape[:2]  # the partial keys are per-slot state: they move with their slot
-        self.meta["partial"] = key_states.new_zeros(b, h, self.keys.shape[2], self.columns.shape[-1])
-
-    def extra_meta(self) -> dict[str, torch.dtype]:
-        return {"fetches": torch.float32, "last_fetch": torch.float32}
-
-    def store_extra(self, key_states: torch.Tensor) -> None:
+    def store(self, slots: Slots, where: torch.Tensor | slice, key_states: torch.Tensor) -> None:
         b, _, q, _ = key_states.shape
-        index = self.columns[None, :, None, :].expand(b, -1, q, -1)
-        self.meta["partial"][:, :, self.used : self.used + q] = key_states.gather(-1, index)
-        self.meta["last_fetch"][:, :, self.used : self.used + q] = self.steps
+        partial = key_states.gather(-1, self.columns[None, :, None, :].expand(b, -1, q, -1))
+        store = slots.state["partial"]
+        if isinstance(where, slice):
+            store[:, :, where] = partial.to(store.device)
+        else:
+            store.scatter_(2, expand_to(where, store), partial.to(store.device))
+        if self.pooled:
+            last = slots.state["last_fetch"]
+            if isinstance(where, slice):
+                last[:, :, where] = self.steps
+            else:
+                last.scatter_(2, where, float(self.steps))
 
-    def choose_rows(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    def choose(
+        self, layer: KVLayer, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, stored: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = layer.slots
         if self.rotary:
             cos, sin = cos[:, :, self.columns], sin[:, :, self.columns]  # (b, q, h, c)
         else:
             cos = sin = None
         pq = partial_query(x, self.weight, self.bias, cos, sin)
-        scores = speculative_scores(pq, self.meta["partial"][:, :, : self.used], self.scaling)[:, :, :, -1]
-        if self.budget is None and bool((self.real_seen == self.used).all()):
-            real = self.real_seen  # no padding and nothing evicted: every slot is a real token
-        else:
-            scores = scores.masked_fill(~self.meta["valid"][:, :, None, : self.used], -math.inf)
-            real = self.meta["valid"][:, 0, : self.used].sum(-1)  # (b,) tokens of each sequence, padding aside
-        rows, fetch = select_tokens(scores, self.alpha, torch.ceil(self.max_fetch * real).long().clamp(min=1))
-        if self.budget is not None:  # the bounded pool's eviction needs the fetch history
+        partial = slots.state["partial"][:, :, :stored]
+        scores = speculative_scores(pq, partial, self.scaling)[:, :, :, -1]
+        held = layer.held_before if layer.pending else slots.held
+        if any(h < stored for h in held):  # padding or evicted slots must not be fetched
+            scores = scores.masked_fill(~slots.state["valid"][:, :, None, :stored], -math.inf)
+        cap = torch.tensor([max(1, math.ceil(self.max_fetch * h)) for h in held], device=scores.device)
+        rows, fetch = select_tokens(scores, self.alpha, cap)
+        if self.pooled:  # the bounded pool's eviction needs the fetch history
             self.steps += 1
-            self.meta["fetches"].scatter_add_(2, rows, fetch.float())
-            self.meta["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
+            slots.state["fetches"].scatter_add_(2, rows, fetch.float())
+            slots.state["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
         return rows, fetch
 
-    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
-        position = self.meta["position"][:, :, :length]
-        newest = position.amax(-1, keepdim=True)
-        protected = position > newest - torch.ceil(capacity * 0.1)[:, None, None]
-        rank = {
-            "counter": self.meta["fetches"][:, :, :length],
-            "lru": self.meta["last_fetch"][:, :, :length],
-            "fifo": position.float(),
-        }[self.eviction]
-        return torch.where(protected, math.inf, rank)
+
+class PoolRule(Rule):
+    """The bounded pool's eviction (InfiniGen's Table 2): the entry ranked lowest goes, but never
+    one of the newest tenth of the pool, so a token is not dropped before it could be fetched."""
+
+    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        position = slots.state["position"][:, :, : at.length]
+        protected = position > at.newest - torch.ceil(at.capacity * 0.1)
+        return torch.where(protected, math.inf, self.ranking(slots, at))
+
+
+class Counter(PoolRule):
+    name = "counter"
+
+    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        return slots.state["fetches"][:, :, : at.length]  # the fewest fetches so far
+
+
+class LeastRecent(PoolRule):
+    name = "lru"
+
+    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        return slots.state["last_fetch"][:, :, : at.length]  # the least recently fetched
+
+
+class Oldest(PoolRule):
+    name = "fifo"
+
+    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        return slots.state["position"][:, :, : at.length].float()
+
+
+POOL_RULES = {rule.name: rule for rule in (Counter, LeastRecent, Oldest)}
 
 
 @register
 class InfiniGen(Policy):
-    """Speculative fetching of the few tokens each layer needs, from a slow tier holding them all."""
+    """Speculative fetching of the few tokens each layer needs, from a slow tier holding them all.
+
+    Needs a preparation per model (``prepare``: rank each KV head's rotary pairs on a calibration
+    text, saved next to the model), run explicitly before caches are built.
+    """
 
     name = "infinigen"
-    bounded = False
+    takes_budget = False
+    needs_preparation = True
+    two_tier = True
     options = (
         Option("alpha", float, 4.0, "fetch tokens with logit > max - alpha, >= 0 (inf: all)", lambda a: a >= 0),
         Option(
@@ -278,7 +302,7 @@ class InfiniGen(Policy):
             str,
             "",
             "with --pool-capacity: counter (default), lru or fifo",
-            lambda e: e in ("", "counter", "lru", "fifo"),
+            lambda e: e in ("", *POOL_RULES),
         ),
     )
 
@@ -288,37 +312,69 @@ class InfiniGen(Policy):
             raise InfinikvError("--eviction needs --pool-capacity (the pool is unbounded otherwise)")
         pool = self.params["pool_capacity"]
         self.pool = None if not pool else Budget(fraction=pool) if pool <= 1 else Budget(tokens=int(pool))
-        self.prep: dict[str, Any] | None = None  # set to skip loading it from the model folder
+        self.prep: dict[str, Any] | None = None  # the calibration (``prepare``, or set by hand)
+        self.prepared_for: str | None = None
 
-    def make_layer(self, layer_idx: int) -> KVLayer:
-        raise InfinikvError("infinigen layers need the model: use make_cache(model)")
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        progress: bool = False,
+        calibration: str | None = None,
+        tokens: int | None = None,
+        force: bool = False,
+    ) -> str | None:
+        """Load the model's saved calibration, or calibrate (default: ``DEFAULT_CALIBRATION``, 2,048
+        tokens) and save it next to the model."""
+        if self.prep is not None and self.prepared_for == model.name_or_path and not force:
+            return None
+        path, did = prep_path(model), None
+        if force or not path.is_file():
+            text = calibration or DEFAULT_CALIBRATION
+            prepare(model, tokenizer, text, tokens or 2048, progress=progress)
+            did = f"infinigen: calibrated {model.name_or_path} on {text}, saved to {path}"
+        self.prep, self.prepared_for = json.loads(path.read_text()), model.name_or_path
+        return did
 
-    def make_cache(self, model: torch.nn.Module) -> KVCache:
-        prep = self.prep or load_prep(model)
+    def prepared_on(self) -> str | None:
+        return None if self.prep is None else self.prep.get("calibration")
+
+    def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
+        if self.prep is None:
+            raise InfinikvError(
+                "infinigen needs its calibration for this model: run `infinikv prepare --model MODEL` "
+                "(or policy.prepare(model, tokenizer)) first"
+            )
+        self.modules = attention_modules(model)
+        self.rotary = is_rotary(model)
+        return super().make_cache(model, max_length, static)
+
+    def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
+        if index < self.params["dense_layers"]:
+            return KVLayer(Slots())
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = is_rotary(model)
-        overlap = not self.params["no_overlap"]
-        layers: list[KVLayer] = []
-        for index, module in sorted(attention_modules(model).items()):
-            if index < self.params["dense_layers"]:
-                layers.append(KVLayer())
-                continue
-            columns = kept_columns(prep, index, rotary, self.params["partial_ratio"], head_dim)
-            columns = columns.to(module.q_proj.weight.device)
-            weight, bias = partial_weights(module, columns)
-            layers.append(
-                InfiniGenLayer(
-                    columns,
-                    weight,
-                    bias,
-                    rotary,
-                    self.params["alpha"],
-                    self.params["max_fetch"],
-                    module.scaling,
-                    overlap,
-                    self.pool,
-                    self.params["eviction"] or "counter",
-                )
-            )
-        return KVCache(layers, self)
+        module = self.modules[index]
+        columns = kept_columns(self.prep, index, self.rotary, self.params["partial_ratio"], head_dim)
+        columns = columns.to(module.q_proj.weight.device)
+        weight, bias = partial_weights(module, columns)
+        pooled = self.pool is not None
+        speculation = Speculation(
+            columns,
+            weight,
+            bias,
+            self.rotary,
+            self.params["alpha"],
+            self.params["max_fetch"],
+            module.scaling,
+            not self.params["no_overlap"],
+            pooled,
+        )
+        rule = POOL_RULES[self.params["eviction"] or "counter"]() if pooled else None
+        return KVLayer(Slots(home=slow_tier(model)), rule, self.pool, fetcher=speculation)
+
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+        total = prompt_tokens + max_new_tokens
+        if self.pool is None:
+            return total
+        return min(total, max(prompt_tokens, self.pool.capacity(total) + 1))

@@ -5,14 +5,16 @@ with the previous layer's compute. Exact; the transfer baseline InfiniGen is mea
 
 import torch
 
-from ..tiers import TieredLayer
+from ..kv.slots import Slots
 from . import register
-from .base import KVLayer, Option, Policy
+from .base import Option, Policy
+from .layer import Fetcher, KVLayer
 
 
-class OffloadLayer(TieredLayer):
-    def choose_rows(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
-        return None  # everything
+def slow_tier(model: torch.nn.Module) -> torch.device | None:
+    """Where the slow tier lives: host memory when the model runs on a GPU, else the same RAM."""
+    device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "cuda" else None
 
 
 @register
@@ -20,8 +22,9 @@ class Offload(Policy):
     """Keeps every token in the slow tier and fetches all of them every step."""
 
     name = "offload"
-    bounded = False
+    takes_budget = False
+    two_tier = True
     options = (Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),)
 
-    def make_layer(self, layer_idx: int) -> KVLayer:
-        return OffloadLayer(overlap=not self.params["no_overlap"])
+    def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
+        return KVLayer(Slots(home=slow_tier(model)), fetcher=Fetcher(overlap=not self.params["no_overlap"]))

@@ -6,26 +6,26 @@ import math
 
 import torch
 
-from . import register
-from .base import KVLayer, Option, Policy
+from ..kv.slots import Slots
+from . import register, register_rule
+from .base import Evicting, Option, Rule, Scoring
 
 
-class SinkLayer(KVLayer):
-    def __init__(self, budget, sinks: int, **kwargs) -> None:
-        super().__init__(budget, **kwargs)
-        self.sinks = sinks
+@register_rule
+class SinkRecent(Rule):
+    """Evicts the oldest token after the first ``sinks``."""
 
-    def priority(self, length: int, capacity: torch.Tensor) -> torch.Tensor:
-        position = self.meta["position"][:, :, :length]
-        return torch.where(position < self.sinks, math.inf, position.float())
+    name = "sink-recent"
+    options = (Option("sinks", int, 4, "sink tokens kept at the start, >= 0 (StreamingLLM uses 4)", lambda n: n >= 0),)
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        position = slots.state["position"][:, :, : at.length]
+        return torch.where(position < self.params["sinks"], math.inf, position.float())
 
 
 @register
-class Sink(Policy):
+class Sink(Evicting):
     """Attention sinks + recent window."""
 
     name = "sink"
-    options = (Option("sinks", int, 4, "sink tokens kept at the start, >= 0 (StreamingLLM uses 4)", lambda n: n >= 0),)
-
-    def make_layer(self, layer_idx: int) -> KVLayer:
-        return SinkLayer(self.budget, self.params["sinks"])
+    rule = SinkRecent

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from ..engine import Sampling
+from ..core import Sampling
 from ..errors import InfinikvError
-from ..policies import Policy, make_policy
+from ..policies import Policy, parse_spec
 from .scheduler import Event, Scheduler, Sequence, ServeError
 
 Int = Annotated[int, Field(strict=True)]
@@ -96,6 +96,8 @@ def create_app(
     kv_memory: int,
     max_queue: int,
     api_key: str | None = None,
+    prefill_chunk: int = 256,
+    compile: bool = False,
 ) -> FastAPI:
     """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets."""
     context = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -104,7 +106,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["scheduler"] = Scheduler(model, tokenizer, kv_memory, max_queue)
+        state["scheduler"] = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile)
         state["started"] = time.time()
         yield
         state["scheduler"].close()
@@ -312,12 +314,8 @@ def check_request(body: Common, model_name: str) -> None:
 
 def make_request_policy(spec: dict[str, Any]) -> Policy:
     """A policy from a request's ``kv`` field, e.g. ``{"policy": "sink", "budget": 0.2}``."""
-    spec = dict(spec)
-    name = spec.pop("policy", None)
-    if not isinstance(name, str):
-        raise ServeError(400, 'kv needs a "policy" name, e.g. {"policy": "sink", "budget": 0.2}', param="kv")
     try:
-        return make_policy(name, **spec)
+        return parse_spec(spec)
     except (InfinikvError, TypeError) as exc:
         raise ServeError(400, f"kv: {exc}", param="kv") from None
 

@@ -120,10 +120,21 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Ta
         tally.messages.append("the stream ended without [DONE]")
 
 
-async def drive(base: str, model: str, clients: int, requests: int, max_tokens: int, duration: float) -> tuple:
-    """``clients`` concurrent loops of streaming completions; returns (tally, seconds, unfinished)."""
-    tally, deadline = Tally(), time.monotonic() + duration
-    limits = httpx.Limits(max_connections=clients + 1)
+async def drive(
+    base: str,
+    model: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    duration: float,
+    long_every: float = 0,
+    long_text: str = "",
+) -> tuple:
+    """``clients`` concurrent loops of streaming completions, and (with ``long_every``) a request
+    with the long prompt ``long_text`` every ``long_every`` seconds, measured apart; returns
+    (tally, long tally, seconds, unfinished)."""
+    tally, long_tally, deadline = Tally(), Tally(), time.monotonic() + duration
+    limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(limits=limits) as client:
 
         async def worker() -> None:
@@ -139,14 +150,22 @@ async def drive(base: str, model: str, clients: int, requests: int, max_tokens: 
                 tally.started += 1
                 await one_request(client, f"{base}/v1/completions", body, tally, deadline)
 
+        async def long_prompts() -> None:
+            while True:
+                await asyncio.sleep(long_every)
+                body = {"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0, "stream": True}
+                long_tally.started += 1
+                await one_request(client, f"{base}/v1/completions", body, long_tally, deadline)
+
         start = time.perf_counter()
         tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+        extra = [asyncio.create_task(long_prompts())] if long_every else []
         _, pending = await asyncio.wait(tasks, timeout=duration + 5)
-        for task in pending:
+        for task in [*pending, *extra]:
             task.cancel()
         seconds = time.perf_counter() - start
     unfinished = tally.started - tally.completed - tally.errors
-    return tally, seconds, unfinished
+    return tally, long_tally, seconds, unfinished
 
 
 def model_bytes(model: str) -> int:
@@ -166,8 +185,19 @@ def bench_serve(
     requests: int,
     max_tokens: int,
     duration: float,
+    long_every: float = 0,
+    long_prompt: int = 4096,
 ) -> dict:
-    """Start ``infinikv serve`` on a free loopback port, drive it, stop it; return the numbers."""
+    """Start ``infinikv serve`` on a free loopback port, drive it, stop it; return the numbers.
+
+    With ``long_every``, a request with a prompt of about ``long_prompt`` tokens (Austen's Emma,
+    at ~4 characters a token) arrives every ``long_every`` seconds, to show what a long prefill
+    does to the running streams' inter-token latency."""
+    long_text = ""
+    if long_every:
+        from ..data import load_text
+
+        long_text = load_text("austen:emma", from_chapter_one=True)[: 4 * long_prompt]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
@@ -179,7 +209,9 @@ def bench_serve(
         _wait_healthy(server, base, log, timeout=180)
         sampler = RssSampler(server.pid)
         sampler.start()
-        tally, seconds, unfinished = asyncio.run(drive(base, model, clients, requests, max_tokens, duration))
+        tally, long_tally, seconds, unfinished = asyncio.run(
+            drive(base, model, clients, requests, max_tokens, duration, long_every, long_text)
+        )
         sampler.done.set()
         sampler.join()
     finally:
@@ -206,7 +238,13 @@ def bench_serve(
         "kv_memory_bytes": kv_memory,
         "model_bytes": weights,
         "rss_within_budget": sampler.peak < kv_memory + weights,
-        "error_messages": sorted(set(tally.messages))[:5],
+        "error_messages": sorted(set(tally.messages + long_tally.messages))[:5],
+        "errors_long": long_tally.errors,
+        **(
+            {"long_prompts": long_tally.started, "long_ttft_p50_ms": percentile_ms(long_tally.ttft, 50)}
+            if long_every
+            else {}
+        ),
     }
 
 

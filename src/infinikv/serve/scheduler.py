@@ -1,16 +1,16 @@
-"""Admission control and continuous batching for the server.
+"""Admission control and continuous batching for the server, on the decode core.
 
 A request is admitted only when the worst-case K/V bytes of its policy fit in what is left of
-the server's ``--kv-memory``; otherwise it waits in a bounded FIFO queue (429 when that is
-full, 400 when it could never fit). One scheduler thread owns the model: between two decode
-steps it prefills the sequences that were just admitted (one at a time, each into its own
-cache), drops the finished and cancelled ones (freeing their K/V and admitting waiters), then
-runs one decode step over every active sequence at once (``batching.decode_step``).
+the server's ``--kv-memory`` (the policy says how many: ``worst_case_bytes``); otherwise it
+waits in a bounded FIFO queue (429 when that is full, 400 when it could never fit). One
+scheduler thread owns the model and alternates one prefill chunk with one decode step of every
+running sequence (see ``Scheduler``); finished and cancelled sequences leave their batch before
+the next step, freeing their K/V and admitting waiters.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import threading
 import time
 from collections import deque
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from ..engine import Sampling, end_of_sequence_ids, next_tokens
+from ..core import Batch, Sampling, next_tokens, step_together
+from ..engine import end_of_sequence_ids
 from ..errors import InfinikvError
-from ..policies import KVCache, Policy
-from ..policies.bct import bytes_per_token
-from .batching import decode_step, enable
+from ..policies import Policy
+from ..text import Detokenizer
 
 Event = tuple[str, Any]  # ("text", piece) | ("done", finish_reason) | ("error", message)
 
@@ -42,24 +42,6 @@ class ServeError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def worst_case_bytes(policy: Policy, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-    """The most K/V bytes a request can hold under ``policy``: what admission reserves.
-
-    A layer holds every prompt token until the prefill's eviction, then at most its capacity
-    plus the one token a decode step adds before evicting; an unbounded policy (``full``, the
-    slow tier of ``offload``/``infinigen``) holds every token. BCT's capacity is its storage.
-    """
-    total = prompt_tokens + max_new_tokens
-    budget = policy.resolve(config) if hasattr(policy, "resolve") else policy.budget
-    if budget is None:
-        tokens = total
-    elif budget.tokens is not None:
-        tokens = min(total, max(prompt_tokens, budget.tokens + 1))
-    else:
-        tokens = min(total, max(prompt_tokens, math.ceil(budget.fraction * total) + 1))
-    return tokens * config.num_hidden_layers * bytes_per_token(config)
-
-
 @dataclass
 class Sequence:
     """One request's generation: its prompt, policy and sampling, and the state it moves through."""
@@ -71,31 +53,52 @@ class Sequence:
     emit: Callable[[Event], None]  # thread-safe: called from the scheduler thread
     reserved: int = 0  # K/V bytes admission set aside for it
     tokens: list[int] = field(default_factory=list)
-    cache: KVCache | None = None
+    batch: Batch | None = None  # its own batch while its prompt is prefilled, chunk by chunk
+    prefilled: int = 0  # prompt tokens fed so far
     generator: torch.Generator | None = None
     cancelled: bool = False
     finish_reason: str | None = None
+    text: str = ""  # the text so far (pieces from an incremental detokenizer)
     sent: int = 0  # characters of text already emitted
+    detokenizer: Detokenizer | None = None
     kv_bytes: int = 0  # peak K/V bytes its cache held
     fetched_fraction: float | None = None  # for two-tier policies
 
-    @property
-    def position(self) -> int:
-        """The position of the next token fed to the model."""
-        return len(self.prompt_ids) + len(self.tokens) - 1
+
+@dataclass
+class Group:
+    """Running sequences with the same policy spec: the rows of one batch, decoded together."""
+
+    batch: Batch
+    seqs: list[Sequence]
 
 
 class Scheduler:
-    """Admits requests under the K/V budget and runs them, batched, on one thread."""
+    """Admits requests under the K/V budget and runs them on the decode core, on one thread.
 
-    def __init__(self, model: torch.nn.Module, tokenizer, kv_memory: int, max_queue: int) -> None:
-        self.model, self.tokenizer = enable(model), tokenizer
-        self.kv_memory, self.max_queue = kv_memory, max_queue
+    Each loop runs at most one prefill chunk (of the oldest request still being prefilled), then
+    one decode step of every running sequence: a long prompt never stalls the running streams for
+    more than a chunk. Sequences whose policies share a spec share a batch and a cache, so their
+    attention runs batched; different specs share the forward's dense parts.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        kv_memory: int,
+        max_queue: int,
+        prefill_chunk: int = 256,
+        compile: bool = False,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_memory, self.max_queue, self.prefill_chunk, self.compile = kv_memory, max_queue, prefill_chunk, compile
         self.eos = end_of_sequence_ids(model, tokenizer)
         self.cond = threading.Condition()
         self.waiting: deque[Sequence] = deque()  # not admitted yet
-        self.joining: list[Sequence] = []  # admitted, not prefilled yet
-        self.active: list[Sequence] = []  # decoding; only the scheduler thread touches it
+        self.joining: list[Sequence] = []  # admitted, not started yet
+        self.prefilling: list[Sequence] = []  # only the scheduler thread touches these two
+        self.groups: dict[str, Group] = {}
         self.reserved = 0
         self.held = 0  # K/V bytes held by live caches, as of the last step
         self.counts: dict[str, int] = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
@@ -112,10 +115,10 @@ class Scheduler:
     def submit(self, seq: Sequence) -> None:
         """Admit ``seq`` now or queue it; raise ServeError 400 (never fits) or 429 (queue full)."""
         try:
-            seq.reserved = worst_case_bytes(
-                seq.policy, self.model.config, len(seq.prompt_ids), seq.sampling.max_new_tokens
+            seq.reserved = seq.policy.worst_case_bytes(
+                self.model.config, len(seq.prompt_ids), seq.sampling.max_new_tokens
             )
-        except InfinikvError as exc:  # e.g. a bct kv_memory that holds no token of this model
+        except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
             raise ServeError(400, f"kv: {exc}", param="kv") from None
         if seq.reserved > self.kv_memory:
             with self.cond:
@@ -174,11 +177,15 @@ class Scheduler:
                 "kv_bytes_reserved": self.reserved,
                 "kv_bytes_budget": self.kv_memory,
                 "queue_length": len(self.waiting),
-                "active_sequences": len(self.active) + len(self.joining),
+                "active_sequences": self.active_count,
                 "decode_steps": self.steps,
                 "max_batch": self.max_batch,
                 "fetch_fraction": {name: sum(f) / len(f) for name, f in self.fetched.items()},
             }
+
+    @property
+    def active_count(self) -> int:
+        return len(self.joining) + len(self.prefilling) + sum(len(g.seqs) for g in self.groups.values())
 
     # -- the scheduler thread --------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
@@ -189,64 +196,83 @@ class Scheduler:
     def run(self) -> None:
         while True:
             with self.cond:
-                while not (self.joining or self.active or self.stopping):
+                while not (self.joining or self.prefilling or self.groups or self.stopping):
                     self.cond.wait()
                 if self.stopping:
                     return
                 joining, self.joining = self.joining, []
-            for seq in joining:
-                self.active.append(seq)
-                if not seq.cancelled:
-                    try:
-                        self._prefill(seq)
-                    except Exception as exc:  # a bug must not take the server down: fail this one
-                        self._fail([seq], exc)
+            self.prefilling.extend(joining)
+            self._guard(self.prefilling[:1], self._prefill_chunk)
             self._retire()
-            if self.active:
-                try:
-                    self._step()
-                except Exception as exc:  # ... or every sequence of the failed step
-                    self._fail(self.active, exc)
+            if self.groups:
+                self._guard([s for g in self.groups.values() for s in g.seqs], self._step)
                 self._retire()
 
-    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
-        for seq in seqs:
-            seq.finish_reason = "error"
-            seq.emit(("error", f"generation failed: {type(exc).__name__}: {exc}"))
+    def _guard(self, seqs: list[Sequence], work: Callable[[], None]) -> None:
+        """Run ``work``; a failure fails ``seqs`` (the requests it was for), never the server."""
+        if not seqs:
+            return
+        try:
+            work()
+        except Exception as exc:
+            for seq in seqs:
+                seq.finish_reason = "error"
+                seq.emit(("error", f"generation failed: {type(exc).__name__}: {exc}"))
 
     @torch.inference_mode()
-    def _prefill(self, seq: Sequence) -> None:
-        device = next(self.model.parameters()).device
-        ids = torch.tensor([seq.prompt_ids], dtype=torch.long, device=device)
-        seq.cache = seq.policy.make_cache(self.model)
-        if seq.sampling.seed is not None:
-            seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            position_ids=torch.arange(ids.shape[1], device=device)[None],
-            cache=seq.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        with self.cond:
-            self.held += seq.cache.held_bytes()
-        self._advance(seq, out.logits[:, -1])
+    def _prefill_chunk(self) -> None:
+        """Feed the next chunk of the oldest prompt still being prefilled."""
+        seq = self.prefilling[0]
+        if seq.cancelled:
+            return
+        if seq.batch is None:
+            if seq.policy.needs_preparation:
+                seq.policy.prepare(self.model, self.tokenizer)
+            length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
+            seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
+            seq.generator = seq.sampling.generator(seq.batch.device)
+            seq.detokenizer = Detokenizer(self.tokenizer)
+        end = seq.prefilled + self.prefill_chunk
+        ids = torch.tensor([seq.prompt_ids[seq.prefilled : end]], device=seq.batch.device)
+        logits = seq.batch.feed(ids)
+        seq.prefilled = min(end, len(seq.prompt_ids))
+        if seq.prefilled < len(seq.prompt_ids):
+            return
+        self.prefilling.remove(seq)
+        self._advance(seq, logits)
+        if seq.finish_reason is None:
+            key = json.dumps(seq.policy.spec(), sort_keys=True)
+            group = self.groups.get(key)
+            if group is None:
+                self.groups[key] = Group(seq.batch, [seq])
+            else:
+                group.batch.append(seq.batch)
+                group.seqs.append(seq)
+            seq.batch = None
+        self._count_held()
 
     def _step(self) -> None:
-        batch = self.active
-        logits = decode_step(
-            self.model, [s.tokens[-1] for s in batch], [s.position for s in batch], [s.cache for s in batch]
-        )
-        for i, seq in enumerate(batch):
-            self._advance(seq, logits[i : i + 1])
+        groups = list(self.groups.values())
+        tokens = [torch.tensor([s.tokens[-1] for s in g.seqs], device=g.batch.device) for g in groups]
+        logits = step_together([g.batch for g in groups], tokens)
+        batch = 0
+        for group, rows in zip(groups, logits, strict=True):
+            for i, seq in enumerate(group.seqs):
+                self._advance(seq, rows[i : i + 1])
+            batch += len(group.seqs)
         with self.cond:
             self.steps += 1
-            self.max_batch = max(self.max_batch, len(batch))
-            self.recent.append((time.monotonic(), len(batch)))
+            self.max_batch = max(self.max_batch, batch)
+            self.recent.append((time.monotonic(), batch))
             while len(self.recent) > 1 and time.monotonic() - self.recent[0][0] > 10:
                 self.recent.popleft()
-            self.held = sum(s.cache.held_bytes() for s in self.active)
+        self._count_held()
+
+    def _count_held(self) -> None:
+        held = sum(g.batch.cache.held_bytes() for g in self.groups.values())
+        held += sum(s.batch.cache.held_bytes() for s in self.prefilling if s.batch is not None)
+        with self.cond:
+            self.held = held
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Pick ``seq``'s next token from ``logits`` (1, V), emit its text, decide if it is done."""
@@ -255,11 +281,14 @@ class Scheduler:
             self.tokens_generated += 1
         if token in self.eos:
             seq.finish_reason = "stop"
+            seq.text += seq.detokenizer.flush()
         else:
             seq.tokens.append(token)
+            seq.text += seq.detokenizer.push(token)
             if len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.finish_reason = "length"
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+                seq.text += seq.detokenizer.flush()
+        text = seq.text
         end = len(text) if seq.finish_reason else _safe_end(text, seq.stop)
         hits = [at for stop in seq.stop if (at := text.find(stop, max(0, seq.sent - len(stop)))) >= 0]
         if hits:
@@ -270,19 +299,31 @@ class Scheduler:
 
     def _retire(self) -> None:
         """Free the K/V of finished and cancelled sequences, tell their clients, admit waiters."""
-        done = [s for s in self.active if s.finish_reason is not None or s.cancelled]
+        done: list[Sequence] = []
+        for seq in list(self.prefilling):
+            if seq.finish_reason is not None or seq.cancelled:
+                self.prefilling.remove(seq)
+                if seq.batch is not None:
+                    self._record(seq, seq.batch.cache, 0)
+                done.append(seq)
+        for key, group in list(self.groups.items()):
+            keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
+            if len(keep) == len(group.seqs):
+                continue
+            for i, seq in enumerate(group.seqs):
+                if i not in keep:
+                    self._record(seq, group.batch.cache, i)
+                    done.append(seq)
+            if keep:
+                group.batch.keep(keep)
+                group.seqs = [group.seqs[i] for i in keep]
+            else:
+                del self.groups[key]
         if not done:
             return
-        self.active = [s for s in self.active if s not in done]
         with self.cond:
             for seq in done:
-                if seq.cache is not None:
-                    seq.kv_bytes = seq.cache.peak_bytes()
-                    summary = seq.cache.transfer_summary()
-                    if summary:
-                        seq.fetched_fraction = summary["fetched_fraction"]
-                        self.fetched.setdefault(seq.policy.name, []).append(summary["fetched_fraction"])
-                    seq.cache = None
+                seq.batch = None
                 self.reserved -= seq.reserved
                 outcome = "cancelled" if seq.cancelled else "failed" if seq.finish_reason == "error" else "completed"
                 self.counts[outcome] += 1
@@ -292,7 +333,16 @@ class Scheduler:
                     seq.emit(("done", seq.finish_reason))
             while self.waiting and self.reserved + self.waiting[0].reserved <= self.kv_memory:
                 self._admit(self.waiting.popleft())
-            self.held = sum(s.cache.held_bytes() for s in self.active if s.cache is not None)
+        self._count_held()
+
+    def _record(self, seq: Sequence, cache, row: int) -> None:
+        """What a finished request's K/V did, for its response and /metrics."""
+        seq.kv_bytes = cache.row_peak_bytes(row)
+        summary = cache.transfer_summary([row])
+        if summary:
+            seq.fetched_fraction = summary["fetched_fraction"]
+            with self.cond:
+                self.fetched.setdefault(seq.policy.name, []).append(summary["fetched_fraction"])
 
 
 def _safe_end(text: str, stops: list[str]) -> int:

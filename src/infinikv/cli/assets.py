@@ -1,0 +1,104 @@
+"""``infinikv models``, ``infinikv data`` and ``infinikv prepare``: what runs offline, set up once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .. import data, models
+from ..errors import InfinikvError
+from ..policies import REGISTRY, make_policy, parse_spec
+from .common import add_model_argument, add_policy_arguments, single_policy
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action == "fetch":
+        print(models.fetch(args.name, force=args.force))
+        return 0
+    rows = models.list_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            state = "ready" if row["fetched"] else f"not fetched (infinikv models fetch {row['name']})"
+            print(f"{row['name']:<20} {state:<48} {row['path']}")
+    return 0
+
+
+def cmd_models_build(args: argparse.Namespace) -> int:
+    spec = single_policy(args)
+    if spec is None:
+        raise InfinikvError("models build needs --policy (and its budget), e.g. --policy bct --capacity 1024")
+    model, tokenizer = models.load_model(args.name)
+    models.set_default_policy(model, parse_spec(spec))
+    out = models.save_model(model, tokenizer, Path(args.out))
+    print(f"{out}: generate() uses {models.default_policy_spec(model)}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.action == "fetch":
+        print(data.fetch(force=args.force))
+        return 0
+    tokenizer = None
+    if models.is_hf_folder(models.bundled_folder(models.DEFAULT_MODEL)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(models.bundled_folder(models.DEFAULT_MODEL))
+    rows = data.list_texts(tokenizer)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            size = (
+                f"{row['tokens']:>9,} tokens"
+                if row["tokens"]
+                else (f"{row['chars']:>9,} chars" if row["chars"] else "not fetched (infinikv data fetch)")
+            )
+            print(f"{row['name']:<26} {size}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    names = [args.policy] if args.policy else [n for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
+    policies = [make_policy(name) if not REGISTRY[name].takes_budget else None for name in names]
+    model, tokenizer = models.load_model(args.model)
+    for name, policy in zip(names, policies, strict=True):
+        if policy is None or not policy.needs_preparation:
+            print(f"{name}: nothing to prepare")
+            continue
+        note = policy.prepare(model, tokenizer, not args.quiet, args.calibration, args.tokens, force=True)
+        print(note)
+    return 0
+
+
+def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
+    p = sub.add_parser("prepare", help="run the calibration of the policies that need one (saved next to the model)")
+    add_model_argument(p)
+    p.add_argument("--policy", default=None, help="prepare this policy only (default: every policy that needs it)")
+    p.add_argument("--calibration", default=None, help="calibration text (not an evaluation text; default per policy)")
+    p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default per policy)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
+
+    for name, fn, fetch_help in [
+        ("models", cmd_models, "install and convert a bundled model"),
+        ("data", cmd_data, "download the Austen novels and the Jargon File"),
+    ]:
+        group = sub.add_parser(name, help=f"{name} available offline").add_subparsers(
+            dest="action", required=True, parser_class=parser_class
+        )
+        f = group.add_parser("fetch", help=fetch_help)
+        f.add_argument("--force", action="store_true", help="fetch again even if present")
+        if name == "models":
+            f.add_argument("name", nargs="?", default=models.DEFAULT_MODEL)
+            b = group.add_parser("build", help="save a model whose generate() uses a KV policy (e.g. bct)")
+            b.add_argument("name", help="bundled name, HF folder or .gguf file")
+            b.add_argument("--out", required=True, help="folder to write")
+            add_policy_arguments(b)
+            b.set_defaults(func=cmd_models_build)
+        lst = group.add_parser("list", help=f"list {name}")
+        lst.add_argument("--json", action="store_true")
+        for q in (f, lst):
+            q.set_defaults(func=fn)

@@ -1,0 +1,340 @@
+"""``infinikv bench`` (quality, speed), ``infinikv report`` and ``infinikv plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .. import data, models
+from ..errors import InfinikvError
+from ..paths import home
+from ..policies import parse_spec
+from .common import (
+    add_model_argument,
+    add_policy_arguments,
+    append_row,
+    budget_label,
+    floats,
+    grid,
+    needle_table,
+    ppl_table,
+    prepare,
+    results_file,
+    run_cells,
+    single_policy,
+)
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from ..bench.plots import needle_heatmap, perplexity_plot
+    from ..eval.needle import needle_accuracy, needle_cases
+    from ..eval.ppl import context_tokens, perplexity
+
+    policies = grid(args)
+    if args.needles < 0:
+        raise InfinikvError("--needles must be at least 0 (0 skips P-needle)")
+    model, tokenizer = models.load_model(args.model)
+    ids = context_tokens(tokenizer, data.load_text(args.text, from_chapter_one=True), args.context, args.continuation)
+    haystack = data.load_text(args.needle_text, from_chapter_one=True) if args.needles else ""
+    cases = needle_cases(tokenizer, haystack, args.needle_context, args.needles, args.seed) if args.needles else []
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    out = results_file(args, "quality")
+    print(f"quality: P-ctx on {args.text}, P-needle on {args.needle_text}; results -> {out}", file=sys.stderr)
+    rows = run_cells(
+        policies,
+        lambda p: perplexity(model, ids, p, args.context, not args.quiet),
+        out,
+        "perplexity",
+        {"protocol": "P-ctx", "text": args.text},
+    )
+    needles = run_cells(
+        policies if cases else [],
+        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
+        out,
+        "accuracy",
+        {"protocol": "P-needle", "text": args.needle_text},
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows + needles, indent=2))
+    if args.plot_dir:
+        plots = [perplexity_plot(rows, Path(args.plot_dir) / "quality-ppl.png")]
+        if needles:
+            plots.append(needle_heatmap(needles, Path(args.plot_dir) / "quality-needle.png"))
+        print(f"plots -> {', '.join(map(str, plots))}", file=sys.stderr)
+    print(ppl_table(rows))
+    if needles:
+        print()
+        print(needle_table(needles))
+    return 0
+
+
+def cmd_speed(args: argparse.Namespace) -> int:
+    from ..bench.speed import bench_speed, triad_bandwidth
+
+    policies = grid(args)
+    contexts = [int(c) for c in floats(args.contexts, "--contexts")]
+    if not contexts or min(contexts) < 1 or args.steps < 1 or args.prefill_chunk < 1:
+        raise InfinikvError("--contexts must be positive token counts, --steps and --prefill-chunk at least 1")
+    if args.device.startswith("cuda") and not cuda_available():
+        raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
+    if args.compile and not any(p.compilable for p in policies):
+        raise InfinikvError("--compile: none of these policies can be compiled")
+    text = data.load_text(args.text)
+    model, tokenizer = models.load_model(args.model, device=args.device)
+    need = max(contexts) + args.steps + 3
+    ids = tokenizer(text[: need * 8], return_tensors="pt").input_ids[:, :need]
+    if ids.shape[1] < need:
+        raise InfinikvError(f"{args.text} has fewer than the {need} tokens the longest context needs")
+    prepare(policies, model, tokenizer, progress=not args.quiet)
+    bandwidth = triad_bandwidth(args.device)
+    out = results_file(args, "speed")
+    print(
+        f"speed: contexts {contexts}, {args.steps} steps; triad bandwidth {bandwidth / 1e9:.1f} GB/s; results -> {out}",
+        file=sys.stderr,
+    )
+    rows = []
+    cells = bench_speed(
+        model,
+        ids,
+        policies,
+        contexts,
+        args.steps,
+        progress=not args.quiet,
+        bandwidth=bandwidth,
+        chunk=args.prefill_chunk,
+        compile=args.compile,
+    )
+    for row in cells:  # a context's cells finish together (they are interleaved): save each as it lands
+        row["text"] = args.text
+        rows.append(row)
+        append_row(out, row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        from ..bench.plots import speed_plot
+
+        print(f"plot -> {speed_plot(rows, Path(args.plot))}", file=sys.stderr)
+    columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("floor ms", 9), ("eff.", 6), ("KV MiB", 8), ("RSS MiB", 8)
+    print(f"{'context':>8} {'policy':<26} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
+    for r in rows:
+        ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
+        print(
+            f"{r['context']:>8} {run_label(r):<26} {budget_label(r):>8} {r['ms_per_step']:>9.1f} "
+            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
+            f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
+        )
+    print("\nwhere a decode step goes (mean ms): speculate / fetch not hidden by overlap / attend / rest")
+    for r in rows:
+        p = r["profile_ms"]
+        if p:
+            print(
+                f"{r['context']:>8} {run_label(r):<26} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
+                f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f}"
+            )
+    compiled = [r for r in rows if r.get("compile_seconds")]
+    for r in compiled:
+        print(
+            f"compile: {run_label(r)} at {r['context']}: {r['compile_seconds']:.1f} s for the first step",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_generation(args: argparse.Namespace) -> int:
+    from ..bench.generation import long_generation
+
+    if args.tokens < 1 or args.window < 1 or args.tokens < args.window:
+        raise InfinikvError("--tokens and --window must be at least 1, and --tokens at least --window")
+    spec = single_policy(args) or {"policy": "full"}
+    policy = parse_spec(spec)
+    model, tokenizer = models.load_model(args.model)
+    prepare([policy], model, tokenizer, progress=not args.quiet)
+    out = results_file(args, "generation")
+    row = long_generation(
+        model, tokenizer, policy, args.prompt, args.tokens, args.window, args.compile, args.seed, not args.quiet
+    )
+    append_row(out, row)
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    print(f"{'tokens':>9} {'tok/s':>8} {'RSS MiB':>8} {'KV MiB':>8}")
+    for w in row["windows"]:
+        print(
+            f"{w['end']:>9,} {w['tokens_per_second']:>8.2f} {w['rss_bytes'] / 2**20:>8.0f} "
+            f"{w['kv_bytes'] / 2**20:>8.1f}"
+        )
+    print(
+        f"{policy.label()}: last window {row['last_over_first_rate']:.3f}x the first's rate, peak RSS "
+        f"{100 * row['peak_rss_growth']:+.1f}% over the first window's; results -> {out}"
+    )
+    return 0
+
+
+def run_label(row: dict) -> str:
+    return row["label"] + (" (compiled)" if row.get("compiled") else "")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ..bench import plan as planner
+
+    gpu = planner.preset(planner.GPU_PRESETS, args.gpu, "GPU")
+    if args.model:
+        folder = models.bundled_folder(args.model) if args.model in models.BUNDLED else Path(args.model)
+        shape = planner.shape_from_config(folder)
+    else:
+        shape = planner.preset(planner.MODEL_PRESETS, args.model_preset, "model")
+    for flag, value in (("--fetch-fraction", args.fetch_fraction), ("--h2o-budget", args.h2o_budget)):
+        if value is not None and not 0 < value <= 1:
+            raise InfinikvError(f"{flag} must be in (0, 1], got {value}")
+    measured = planner.fractions_from_bench(planner.read_rows(args.from_json), args.context) if args.from_json else {}
+    fractions = {}
+    for name, given, default in (
+        ("infinigen", args.fetch_fraction, planner.DEFAULT_FETCH),
+        ("h2o", args.h2o_budget, planner.DEFAULT_H2O),
+    ):
+        fractions[name] = (given, "given") if given is not None else measured.get(name, (default, "default"))
+    rows = planner.plan(
+        shape,
+        gpu,
+        args.host_memory,
+        args.batch,
+        args.context,
+        fetch=fractions["infinigen"][0],
+        h2o=fractions["h2o"][0],
+        kv_on_host=args.kv_on_host,
+    )
+    if args.json:
+        result = {
+            "projection": True,
+            "model": shape.name,
+            "gpu": args.gpu,
+            "host_gb": args.host_memory,
+            "batch": args.batch,
+            "context": args.context,
+            "fractions": {k: {"fraction": v, "source": src} for k, (v, src) in fractions.items()},
+            "policies": rows,
+        }
+        print(json.dumps(result, indent=2))
+        return 0
+    kv = args.batch * args.context * shape.kv_bytes_per_token()
+    print(
+        f"PROJECTION (a cost model, not a measurement): {shape.name} ({shape.params() / 1e9:.2f} B params, "
+        f"{shape.params() * planner.DTYPE_BYTES / 1e9:.1f} GB fp16) on {gpu.name}, host {args.host_memory:g} GB, "
+        f"batch {args.batch}, context {args.context}"
+    )
+    print(
+        f"K/V fp16: {kv / 1e9:.1f} GB ({shape.kv_bytes_per_token() / 1e3:.1f} KB per token); "
+        + ", ".join(
+            f"{k} {'fetch' if k == 'infinigen' else 'keep'} {v:.3f} ({src})" for k, (v, src) in fractions.items()
+        )
+    )
+    print(
+        f"{'policy':<10} {'tok/s':>8} {'bound by':<11} {'K/V on':<6} {'GPU GB':>7} {'host GB':>8} {'PCIe GB/step':>13}"
+    )
+    for r in rows:
+        speed = f"{r['tokens_per_second']:.2f}" if r["fits"] else "no fit"
+        print(
+            f"{r['policy']:<10} {speed:>8} {r['bound']:<11} {'GPU' if r['kv_on_gpu'] else 'host':<6} "
+            f"{r['gpu_bytes'] / 1e9:>7.1f} {r['host_bytes'] / 1e9:>8.1f} {r['link_bytes_per_step'] / 1e9:>13.2f}"
+        )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ..bench.plan import read_rows
+    from ..bench.report import latest, write_report
+
+    results = home() / "results"
+    speed = Path(args.speed) if args.speed else latest(results, "speed")
+    quality = Path(args.quality) if args.quality else latest(results, "quality")
+    if speed is None and quality is None:
+        raise InfinikvError(
+            f"no bench results in {results}: run infinikv bench speed / bench quality, or give --speed/--quality"
+        )
+    sources = [p for p in (speed, quality) if p is not None]
+    out_dir = Path(args.out_dir) / time.strftime("%Y%m%d-%H%M%S")
+    report = write_report(read_rows(speed) if speed else [], read_rows(quality) if quality else [], out_dir, sources)
+    print(report)
+    return 0
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubParsersAction:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench", required=True, parser_class=parser_class
+    )
+    p = bench.add_parser("quality", help="P-ctx perplexity vs budget and the P-needle grid, every policy")
+    add_model_argument(p)
+    p.add_argument("--text", default="austen:emma", help="P-ctx text (default austen:emma)")
+    p.add_argument("--context", type=int, default=4096, help="P-ctx context tokens")
+    p.add_argument("--continuation", type=int, default=512, help="P-ctx tokens scored")
+    p.add_argument("--needle-text", default="austen:prideprejudice", help="P-needle haystack")
+    p.add_argument("--needle-context", type=int, default=4096)
+    p.add_argument("--needles", type=int, default=12, help="pass keys at depths 10..90%% (0 skips P-needle)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    p.add_argument("--json", help="write every result (P-ctx and P-needle rows) to this JSON file")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--plot-dir", help="write quality-ppl.png (curves) and quality-needle.png (heatmap) here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True, every_policy=True)
+    p.set_defaults(func=cmd_quality, budgets="0.05,0.1,0.2,0.5")
+
+    p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
+    add_model_argument(p)
+    p.add_argument("--text", default="austen:all")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
+    p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward (memory at 32k)")
+    p.add_argument("--compile", action="store_true", help="also time a compiled run of each policy that allows it")
+    p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
+    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    p.add_argument("--plot", help="write a PNG of ms per step (and its floor) and the ratio to full by context")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_speed)
+
+    p = bench.add_parser("generation", help="tokens/s and memory per window of one very long generation")
+    add_model_argument(p)
+    p.add_argument("--prompt", default="Once upon a time, in a small village by the sea,", help="the prompt")
+    p.add_argument("--tokens", type=int, default=100_000, help="tokens to generate (default 100,000)")
+    p.add_argument("--window", type=int, default=10_000, help="tokens per reported window (default 10,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="compile the decode step (policies with a fixed capacity)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", help="JSON-lines file that receives the result")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(p)
+    p.set_defaults(func=cmd_generation)
+
+    p = sub.add_parser("report", help="one Markdown report with plots from the latest bench speed and quality JSON")
+    p.add_argument("--speed", help="bench speed results (default: the latest in $INFINIKV_HOME/results)")
+    p.add_argument("--quality", help="bench quality results (default: the latest in $INFINIKV_HOME/results)")
+    p.add_argument("--out-dir", default="reports", help="reports go to OUT_DIR/<time>/ (default reports, git-ignored)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="project decode tokens/s of offloading policies on a GPU (a cost model)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model-preset", default="opt-13b", help="opt-6.7b, opt-13b (default), opt-30b, llama-2-7b, llama-2-13b"
+    )
+    source.add_argument("--model", help="a config.json, a model folder or a bundled model name instead of a preset")
+    p.add_argument("--gpu", default="a6000", help="a6000 (default; 48 GB, PCIe 3.0 x16), h100 or h200 (PCIe 5.0 x16)")
+    p.add_argument("--host-memory", type=float, default=96, help="host memory in GB (default 96, the paper's)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048, help="tokens per sequence (prompt + generated)")
+    p.add_argument("--from", dest="from_json", help="bench speed JSON: take InfiniGen's and H2O's fractions from it")
+    p.add_argument("--fetch-fraction", type=float, help="InfiniGen's fetched share of the tokens (overrides --from)")
+    p.add_argument("--h2o-budget", type=float, help="H2O's kept share of the tokens (overrides --from)")
+    p.add_argument("--kv-on-host", action="store_true", help="keep every K/V on the host, as in the paper's runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+    return bench

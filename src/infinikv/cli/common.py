@@ -1,0 +1,205 @@
+"""What every command shares: one-line usage errors, policy flags from the policies' declared
+options, grids of policy specs, results files, labels and tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from .. import models
+from ..errors import InfinikvError
+from ..paths import home
+from ..policies import Policy, all_options, parse_spec, policy_class, policy_names
+
+GRID_JSON = "print a JSON list, one object per (policy, budget)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and still exit code 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InfinikvError(f"{self.prog}: {message}")
+
+
+def add_policy_arguments(
+    parser: argparse.ArgumentParser, grid: bool = False, every_policy: bool = False, default: str | None = None
+) -> None:
+    """``--policy`` (or ``--policies``/``--budgets`` for a grid), ``--budget``/``--capacity`` and
+    every policy option the policies declare, except any that collide with the command's own flags."""
+    group = parser.add_argument_group("KV policy")
+    names = ", ".join(policy_names())
+    if grid:
+        fallback = ",".join(policy_names()) if every_policy else default or "full"
+        group.add_argument(
+            "--policy",
+            "--policies",
+            dest="policies",
+            default=fallback,
+            help=f"comma-separated policies ({names}); default {'all' if every_policy else fallback}",
+        )
+        group.add_argument(
+            "--budget",
+            "--budgets",
+            dest="budgets",
+            default=None,
+            help="comma-separated budgets, fractions of the tokens seen in (0, 1]",
+        )
+    else:
+        group.add_argument("--policy", default=None, help=f"one of {names} (default: the model's own, else full)")
+        group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
+    group.add_argument("--capacity", type=int, default=None, help="tokens kept per layer (instead of --budget)")
+    taken, registered = set(parser._option_string_actions), []
+    for option in all_options().values():
+        if option.flag in taken:
+            continue
+        registered.append(option.name)
+        if option.type is bool:
+            group.add_argument(
+                option.flag, dest=option.name, action="store_const", const=True, default=None, help=option.help
+            )
+        else:
+            group.add_argument(
+                option.flag, dest=option.name, default=None, help=f"{option.help} (default {option.default})"
+            )
+    parser.set_defaults(policy_options=registered)
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy options set on the command line (as strings; the policy parses them)."""
+    return {name: getattr(args, name) for name in args.policy_options if getattr(args, name, None) is not None}
+
+
+def specs(args: argparse.Namespace, names: list[str], budgets: list[float | None]) -> list[dict[str, Any]]:
+    """One spec per (policy, budget) cell asked for; policies without a budget once."""
+    given = given_options(args)
+    classes = [policy_class(name) for name in names]
+    for option in given:
+        if not any(option in {o.name for o in cls.all_options()} for cls in classes):
+            raise InfinikvError(f"--{option.replace('_', '-')} does not apply to policy {', '.join(names)}")
+    out = []
+    for cls in classes:
+        own = {k: v for k, v in given.items() if k in {o.name for o in cls.all_options()}}
+        if not cls.takes_budget:
+            out.append({"policy": cls.name, **own})
+            continue
+        for budget in budgets if args.capacity is None else [None]:
+            out.append({"policy": cls.name, "budget": budget, "capacity": args.capacity, **own})
+    return out
+
+
+def floats(text: str | None, flag: str) -> list[float | None]:
+    if text is None:
+        return [None]
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InfinikvError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+
+
+def grid(args: argparse.Namespace) -> list[Policy]:
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    return [parse_spec(spec) for spec in specs(args, names, floats(args.budgets, "--budgets"))]
+
+
+def single_policy(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The spec of ``--policy`` and its flags, or None without ``--policy`` (the model's own)."""
+    given = given_options(args)
+    if args.policy is None:
+        if given or args.budget is not None or args.capacity is not None:
+            first = [f"--{k.replace('_', '-')}" for k in given] or ["--budget/--capacity"]
+            raise InfinikvError(f"{first[0]} needs --policy")
+        return None
+    spec = specs(args, [args.policy], [args.budget])[0]
+    parse_spec(spec)  # refuse a bad policy before loading anything
+    return {k: v for k, v in spec.items() if v is not None}
+
+
+def prepare(policies: Iterable[Policy], model, tokenizer, text: str | None = None, progress: bool = True) -> None:
+    """Run the preparation of the policies that need one (explicitly, before any cache is built),
+    and warn when one was calibrated on the text about to be evaluated."""
+    for policy in policies:
+        if not policy.needs_preparation:
+            continue
+        note = policy.prepare(model, tokenizer, progress=progress)
+        if note:
+            print(note, file=sys.stderr)
+        if text is not None and policy.prepared_on() == text:
+            print(
+                f"infinikv: warning: {policy.label()} was calibrated on {text}, the text being evaluated",
+                file=sys.stderr,
+            )
+
+
+def results_file(args: argparse.Namespace, kind: str) -> Path:
+    out = Path(args.out) if args.out else home() / "results" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def append_row(out: Path, row: dict) -> None:
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_cells(policies: list[Policy], run: Callable[[Policy], dict], out: Path, label: str, extra: dict) -> list[dict]:
+    """``run(policy)`` for each cell; each result is appended to ``out`` as soon as it lands."""
+    rows = []
+    for policy in policies:
+        result = {**run(policy), **extra}
+        rows.append(result)
+        append_row(out, result)
+        print(f"  done: {result['label']} budget={budget_label(result)} {label}={result[label]:.4g}", file=sys.stderr)
+    return rows
+
+
+def budget_label(row: dict) -> str:
+    if row.get("budget"):
+        return f"{row['budget']:g}"
+    return f"{row['capacity']}t" if row.get("capacity") else "-"
+
+
+def reference(rows: list[dict], key: str) -> float | None:
+    """The ``full`` row's value: every quality table is relative to the full cache."""
+    return next((r[key] for r in rows if r["policy"] == "full"), None)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def ppl_table(rows: list[dict]) -> str:
+    full = reference(rows, "perplexity")
+    lines = [f"{'policy':<18} {'budget':>8} {'ppl':>8} {'vs full':>8} {'attended':>9} {'KV held':>11} {'seconds':>8}"]
+    for r in rows:
+        delta = f"{100 * (r['perplexity'] / full - 1):+.1f}%" if full else "-"
+        lines.append(
+            f"{r['label']:<18} {budget_label(r):>8} {r['perplexity']:>8.3f} {delta:>8} "
+            f"{100 * r['attended_fraction']:>8.1f}% {mib(r['kv_bytes']):>11} {r['seconds']:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def needle_table(rows: list[dict]) -> str:
+    lines = [f"{'policy':<18} {'budget':>8} {'accuracy':>9}  depths hit"]
+    for r in rows:
+        hits = " ".join(f"{c['depth']:.2f}" if c["hit"] else "  -  " for c in r["cases"])
+        lines.append(f"{r['label']:<18} {budget_label(r):>8} {r['accuracy']:>9.2f}  {hits}")
+    return "\n".join(lines)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: bool = True) -> None:
+    """The arguments every evaluation shares: model, JSON output, results file, progress bar."""
+    add_model_argument(parser)
+    parser.add_argument("--json", action="store_true", help=json_help)
+    if results:
+        parser.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,181 @@
+"""``infinikv eval``: P-ctx perplexity, P-needle pass keys, P-stream windows, attention recall."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .. import data, models
+from ..errors import InfinikvError
+from .common import (
+    GRID_JSON,
+    add_policy_arguments,
+    add_run_arguments,
+    budget_label,
+    grid,
+    needle_table,
+    ppl_table,
+    prepare,
+    results_file,
+    run_cells,
+)
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from ..eval.ppl import context_tokens, perplexity
+
+    policies = grid(args)
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = models.load_model(args.model)
+    ids = context_tokens(tokenizer, text, args.context, args.continuation)
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    out = results_file(args, "ppl")
+    print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens; results -> {out}", file=sys.stderr)
+    rows = run_cells(
+        policies,
+        lambda p: perplexity(model, ids, p, args.context, not args.quiet, compile=args.compile and p.compilable),
+        out,
+        "perplexity",
+        {"text": args.text},
+    )
+    print(json.dumps(rows, indent=2) if args.json else ppl_table(rows))
+    return 0
+
+
+def cmd_needle(args: argparse.Namespace) -> int:
+    from ..eval.needle import needle_accuracy, needle_cases
+
+    policies = grid(args)
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = models.load_model(args.model)
+    cases = needle_cases(tokenizer, text, args.context, args.needles, args.seed)
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    out = results_file(args, "needle")
+    print(
+        f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
+    )
+    rows = run_cells(
+        policies,
+        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
+        out,
+        "accuracy",
+        {"text": args.text},
+    )
+    print(json.dumps(rows, indent=2) if args.json else needle_table(rows))
+    return 0
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from ..eval.stream import plot, stream
+
+    policies = grid(args)
+    if args.tokens < 2 or args.chunk < 1 or args.window < 1:
+        raise InfinikvError("--tokens must be at least 2, --chunk and --window at least 1")
+    text = data.load_text(args.text)
+    model, tokenizer = models.load_model(args.model)
+    ids = tokenizer(text[: args.tokens * 8], return_tensors="pt").input_ids[:, : args.tokens]
+    if ids.shape[1] < args.tokens:
+        raise InfinikvError(f"the text has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    out = results_file(args, "stream")
+    print(f"P-stream: {args.tokens} tokens of {args.text} in chunks of {args.chunk}; results -> {out}", file=sys.stderr)
+    rows = run_cells(
+        policies,
+        lambda p: stream(model, ids, p, args.chunk, args.window, not args.quiet),
+        out,
+        "perplexity",
+        {"text": args.text},
+    )
+    if args.plot:
+        trained = getattr(model.config, "max_position_embeddings", None)
+        print(f"plot -> {plot(rows, Path(args.plot), trained)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'window':>13} " + " ".join(f"{r['label'] + ' ' + budget_label(r):>24}" for r in rows))
+    print(" " * 14 + " ".join(f"{'ppl':>9} {'RSS MiB':>8} {'KV MiB':>6}" for _ in rows))
+    for i, window in enumerate(rows[0]["windows"]):
+        cells = []
+        for r in rows:
+            w = r["windows"][i]
+            cells.append(f"{w['perplexity']:>9.2f} {w['rss_bytes'] / 2**20:>8.0f} {w['kv_bytes'] / 2**20:>6.1f}")
+        print(f"{window['start']:>6}-{window['end']:<6} " + " ".join(cells))
+    for r in rows:
+        print(
+            f"{r['label']}: ppl {r['perplexity']:.2f}, median window {r['median_window_perplexity']:.2f}, "
+            f"worst {r['worst_window_perplexity']:.2f}, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
+    return 0
+
+
+def cmd_recall(args: argparse.Namespace) -> int:
+    from ..eval.ppl import context_tokens
+    from ..eval.recall import attention_recall
+
+    policies = grid(args)
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = models.load_model(args.model)
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    ids = context_tokens(tokenizer, text, args.context, args.steps)[:, : args.context + args.steps]
+    out = results_file(args, "recall")
+    print(f"recall on {args.text} at {args.context} tokens, {args.steps} decode steps -> {out}", file=sys.stderr)
+    rows = run_cells(
+        policies,
+        lambda p: attention_recall(model, ids, p, args.context, not args.quiet),
+        out,
+        "recall",
+        {"text": args.text},
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'policy':<18} {'budget':>8} {'recall':>7} {'oracle':>7} {'attended':>9}")
+    for r in rows:
+        print(
+            f"{r['label']:<18} {budget_label(r):>8} {r['recall']:>7.3f} {r['oracle_recall']:>7.3f} "
+            f"{100 * r['attended_fraction']:>8.1f}%"
+        )
+    return 0
+
+
+def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
+    ev = sub.add_parser("eval", help="quality evaluations").add_subparsers(
+        dest="eval", required=True, parser_class=parser_class
+    )
+    p = ev.add_parser("ppl", help="P-ctx: perplexity of a continuation after a compressed context")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--text", default="austen:emma", help="text name or .txt path (default austen:emma)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--continuation", type=int, default=512)
+    p.add_argument("--compile", action="store_true", help="compile the decode steps of policies that allow it")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_ppl)
+
+    p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--text", default="austen:prideprejudice", help="haystack text (default austen:prideprejudice)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--needles", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_needle)
+
+    p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--text", default="austen:all")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=32, help="tokens fed per forward (default 32)")
+    p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
+    p.add_argument("--plot", help="write a PNG of perplexity and RSS over the stream")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_stream)
+
+    p = ev.add_parser("recall", help="share of the true attention the tokens a policy attends to capture")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--text", default="austen:emma")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=32, help="decode steps measured")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_recall)

@@ -1,0 +1,136 @@
+"""``infinikv serve`` (the OpenAI-compatible server) and ``infinikv bench serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .. import models
+from ..errors import InfinikvError
+from .common import add_model_argument, add_policy_arguments, given_options, mib, single_policy
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.max_queue < 0 or (args.threads is not None and args.threads < 1) or args.prefill_chunk < 1:
+        raise InfinikvError("--max-queue must be >= 0, --threads and --prefill-chunk at least 1")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from ..policies.bct import parse_bytes
+    from ..serve.app import create_app
+
+    kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
+    check(args)
+    if not 0 < args.port < 65536:
+        raise InfinikvError("--port must be in 1..65535")
+    with socket.socket() as probe:
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as exc:
+            raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer = models.load_model(args.model)
+    spec = spec or models.default_policy_spec(model) or {"policy": "full"}
+    app = create_app(
+        model, tokenizer, args.model, spec, kv_memory, args.max_queue, args.api_key, args.prefill_chunk, args.compile
+    )
+    print(
+        f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
+        f"--kv-memory {mib(kv_memory)})",
+        file=sys.stderr,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ..policies.bct import parse_bytes
+    from ..serve.bench import bench_serve
+
+    kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
+    check(args)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
+        raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
+    if args.long_every < 0 or args.long_prompt < 0:
+        raise InfinikvError("--long-every and --long-prompt must be >= 0")
+    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue)]
+    serve_args += ["--threads", str(args.threads)] if args.threads else []
+    serve_args += ["--prefill-chunk", str(args.prefill_chunk)] + (["--compile"] if args.compile else [])
+    if spec:
+        serve_args += ["--policy", spec["policy"]]
+        for key in ("budget", "capacity"):
+            if key in spec:
+                serve_args += [f"--{key}", str(spec[key])]
+        for key, value in given_options(args).items():
+            serve_args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    r = bench_serve(
+        args.model,
+        serve_args,
+        kv_memory,
+        args.clients,
+        args.requests,
+        args.max_tokens,
+        args.duration,
+        long_every=args.long_every,
+        long_prompt=args.long_prompt,
+    )
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(
+            f"{r['clients']} clients, {r['completed']}/{r['requests']} requests completed in {r['seconds']} s "
+            f"({r['errors']} errors, {r['unfinished']} unfinished)\n"
+            f"requests/s {r['requests_per_second']}, tokens/s {r['tokens_per_second']}\n"
+            f"time to first token p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms\n"
+            f"inter-token latency p50 {r['itl_p50_ms']} ms, p99 {r['itl_p99_ms']} ms\n"
+            f"peak server RSS {mib(r['peak_rss_bytes'])} vs --kv-memory {mib(kv_memory)} + model "
+            f"{mib(r['model_bytes'])}: {'ok' if r['rss_within_budget'] else 'OVER'}"
+        )
+        if r.get("long_prompts"):
+            print(f"long prompts sent: {r['long_prompts']} ({args.long_prompt} tokens every {args.long_every:g} s)")
+        for message in r["error_messages"]:
+            print(f"  error: {message}", file=sys.stderr)
+    if not r["rss_within_budget"]:
+        print("infinikv: the server's RSS went over --kv-memory + the model size", file=sys.stderr)
+        return 1
+    return 0 if r["errors"] == 0 else 1
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    p.add_argument("--kv-memory", default="1GiB", help="K/V bytes all running requests may reserve (default 1GiB)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for K/V budget (default 16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps (default 256)"
+    )
+    p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
+    add_policy_arguments(p)
+
+
+def add(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with per-request KV policies")
+    add_serve_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer API_KEY on every call")
+    p.set_defaults(func=cmd_serve)
+
+    p = bench.add_parser("serve", help="start a server and measure N concurrent streaming clients on loopback")
+    add_serve_arguments(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+    p.add_argument("--requests", type=int, default=64, help="requests in all, then stop (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    p.add_argument("--duration", type=float, default=300, help="stop after this many seconds (default 300)")
+    p.add_argument("--long-every", type=float, default=0, help="send a long prompt every this many seconds (0: never)")
+    p.add_argument("--long-prompt", type=int, default=4096, help="tokens of each long prompt (default 4096)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,321 @@
+"""The decode core: the one place where a model runs over an infinikv cache.
+
+A ``Batch`` is a set of sequences (rows) that decode together under one policy's cache. It
+prefills prompts (left-padded, optionally in chunks), feeds chunks of known tokens (teacher
+forcing, streams), and runs decode steps, sampled or teacher-forced. ``step_together`` runs one
+decode step for several batches in one forward (the server's continuous batching), and
+``sample`` is the generation loop with per-sequence stop. Every caller (``generate``, the
+server, every evaluation, ``bench speed``) goes through here.
+
+Before each forward the core tells the cache what is coming (``KVCache.begin``: tokens per row,
+which are padding, their positions), so the cache plans on the host from counts it keeps there,
+and a steady decode step makes no device-to-host synchronisation. With ``compile=True`` the
+decode step of a cache whose shapes are static (``policy.compilable``) runs through
+``torch.compile`` (inductor with the system C compiler on a CPU, CUDA graphs on a GPU); prefill
+always runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InfinikvError
+from .policies import Policy
+from .policies.layer import GroupedCache, KVCache, row_slices
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, real)``, both (b, n) on the CPU, padded on the left; ``real`` is bool."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    real = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
+        real[row, width - len(seq) :] = True
+    return ids, real
+
+
+class Batch:
+    """Sequences decoding together under one cache (see the module docstring).
+
+    ``policy`` builds the cache (``max_length``: the most tokens a row will see, so unbounded
+    storage is allocated once; required to compile ``full``). ``compile``: run decode steps
+    through ``torch.compile`` (``compile_seconds`` says what the first compiled step cost).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy: Policy,
+        compile: bool = False,
+        max_length: int | None = None,
+        cache: KVCache | None = None,
+    ) -> None:
+        if compile and not policy.compilable:
+            raise InfinikvError(f"policy {policy.label()} cannot be compiled (its cache shapes change as it runs)")
+        self.model, self.policy, self.device = model, policy, model_device(model)
+        self.cache = cache if cache is not None else policy.make_cache(model, max_length, static=compile)
+        self.compile = compile
+        self.next_position = torch.zeros(0, dtype=torch.long, device=self.device)  # (b,) per row
+        self.compiled: Callable | None = None
+        self.compile_seconds: float | None = None
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._all_real: dict[int, torch.Tensor] = {}
+
+    @property
+    def rows(self) -> int:
+        return self.next_position.shape[0]
+
+    # -- forwards ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], pad_id: int, chunk: int | None = None, keep_all: bool = False
+    ) -> torch.Tensor:
+        """Feed ``prompts`` (one token list per row, left-padded), ``chunk`` tokens per forward
+        (None: all at once). Returns each row's next-token logits (b, V), or with ``keep_all``
+        the logits of every position (b, n, V)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InfinikvError("the prompt is empty")
+        ids, real = left_pad(prompts, pad_id)
+        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        chunk = chunk or ids.shape[1]
+        outputs = []
+        for start in range(0, ids.shape[1], chunk):
+            piece, mask = ids[:, start : start + chunk], real[:, start : start + chunk]
+            outputs.append(self.feed(piece.to(self.device), mask, keep_all=keep_all))
+        return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
+
+    @torch.inference_mode()
+    def feed(self, ids: torch.Tensor, real: torch.Tensor | None = None, keep_all: bool = False) -> torch.Tensor:
+        """One forward of ``ids`` (b, q) on the device; ``real`` (b, q) bool on the CPU marks the
+        tokens that are not padding (None: all are). Returns the next-token logits of each row
+        (b, V), or of every position (b, q, V) with ``keep_all``."""
+        b, q = ids.shape
+        if self.rows == 0:
+            self.next_position = torch.zeros(b, dtype=torch.long, device=self.device)
+        if real is None or bool(real.all()):
+            counts, new_real = [q] * b, None
+            positions = self.next_position[:, None] + torch.arange(q, device=self.device)
+        else:
+            counts = real.sum(-1).tolist()  # a CPU tensor: no device read
+            new_real = real.to(self.device)
+            positions = self.next_position[:, None] + (new_real.cumsum(-1) - 1).clamp(min=0)
+        self.next_position = self.next_position + torch.tensor(counts, device=self.device)
+        self.cache.begin(q, positions, new_real, counts)
+        try:
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=self.cache,
+                attention_mask=self._mask(b),
+                use_cache=True,
+                logits_to_keep=0 if keep_all else 1,
+            )
+        finally:
+            self.cache.end()
+        return out.logits if keep_all else out.logits[:, -1]
+
+    def _mask(self, b: int) -> torch.Tensor:
+        """A 4-D mask handed to the model so that transformers builds none: infinikv's attention
+        builds its own from the slots."""
+        if b not in self._all_real:
+            self._all_real[b] = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device)
+        return self._all_real[b]
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step: token ``tokens[r]`` (b,) for each row. Returns next-token logits (b, V)."""
+        if not self.compile:
+            return self.feed(tokens[:, None])
+        if self._static is None:
+            self._static = (tokens[:, None].clone(), self.next_position[:, None].clone(), self._mask(self.rows))
+        ids, positions, mask = self._static
+        ids.copy_(tokens[:, None])
+        positions.copy_(self.next_position[:, None])
+        self.next_position = self.next_position + 1
+        self.cache.begin(1, positions, None, [1] * self.rows)
+        try:
+            if self.compiled is None:
+                cuda = self.device.type == "cuda"
+                if cuda:  # CUDA graphs replay fixed addresses: the storage never moves, tell dynamo
+                    for layer in self.cache.layers:
+                        for t in layer.slots.tensors():
+                            torch._dynamo.mark_static_address(t)
+                self.compiled = torch.compile(self._decode, mode="reduce-overhead" if cuda else None)
+                started = time.perf_counter()
+                logits = self.compiled(ids, positions, mask)
+                self.compile_seconds = time.perf_counter() - started
+            else:
+                logits = self.compiled(ids, positions, mask)
+        finally:
+            self.cache.end()
+        return logits.clone()
+
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(
+            input_ids=ids, position_ids=positions, cache=self.cache, attention_mask=mask, use_cache=True
+        ).logits[:, -1]
+
+    # -- rows (the server's continuous batching) ----------------------------------------------
+    def append(self, other: Batch) -> None:
+        """Take ``other``'s rows (same policy) after this batch's rows."""
+        self.cache.append_rows(other.cache)
+        self.next_position = torch.cat([self.next_position, other.next_position])
+        self._static = None  # the compiled step's inputs change shape
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order)."""
+        self.cache.keep_rows(rows)
+        self.next_position = self.next_position[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        self._static = None
+
+
+class Reference:
+    """transformers' own ``DynamicCache`` (and stock SDPA attention) on one sequence: the
+    reference row of ``bench speed``, decoded through the same two calls as a ``Batch``."""
+
+    def __init__(self, model: torch.nn.Module, offloading: bool = False) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.device = model, model_device(model)
+        self.cache = DynamicCache(config=model.config, offloading=offloading)
+        self.position = 0
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], pad_id: int, chunk: int | None = None) -> torch.Tensor:
+        (prompt,) = prompts
+        ids = torch.tensor([list(prompt)], device=self.device)
+        chunk = chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], chunk):
+            logits = self._forward(ids[:, start : start + chunk])
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._forward(tokens[:, None])
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = ids.shape[1]
+        positions = torch.arange(self.position, self.position + q, device=self.device)[None]
+        self.position += q
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+
+@torch.inference_mode()
+def step_together(batches: list[Batch], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One decode step of several batches in one forward of their (shared) model: the dense parts
+    run over every row at once, attention per batch. Returns each batch's logits (b_i, V)."""
+    if len(batches) == 1:
+        return [batches[0].step(tokens[0])]
+    model, device = batches[0].model, batches[0].device
+    ids = torch.cat(tokens)[:, None]
+    positions = torch.cat([b.next_position for b in batches])[:, None]
+    for batch, rows in zip(batches, row_slices([b.rows for b in batches]), strict=True):
+        batch.cache.begin(1, positions[rows], None, [1] * batch.rows)
+        batch.next_position = batch.next_position + 1
+    mask = torch.ones(ids.shape[0], 1, 1, 1, dtype=torch.bool, device=device)
+    try:
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            cache=GroupedCache([b.cache for b in batches]),
+            attention_mask=mask,
+            use_cache=True,
+        )
+    finally:
+        for batch in batches:
+            batch.cache.end()
+    logits = out.logits[:, -1]
+    return [logits[rows] for rows in row_slices([b.rows for b in batches])]
+
+
+@dataclass
+class Sampling:
+    """How the next token is picked. ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InfinikvError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InfinikvError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InfinikvError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row of ``logits`` (b, V) -> (b,)."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits.float() / sampling.temperature).softmax(-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p  # keeps the top token always
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+STOP_CHECK_EVERY = 8  # steps between two reads of "has every row stopped?" when nothing streams
+
+
+@torch.inference_mode()
+def sample(
+    batch: Batch,
+    logits: torch.Tensor,
+    sampling: Sampling,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    on_tokens: Callable[[list[int], list[bool]], None] | None = None,
+) -> list[list[int]]:
+    """Generate from each row's next-token ``logits`` (b, V) until it emits a stop id or reaches
+    ``sampling.max_new_tokens``. ``on_tokens(tokens, alive)`` gets each step's tokens (a row
+    already stopped is not ``alive``). Returns each row's tokens, its stop id excluded."""
+    device = batch.device
+    generator = sampling.generator(device)
+    stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
+    b = logits.shape[0]
+    generated = torch.full((b, sampling.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    steps = 0
+    for step in range(sampling.max_new_tokens):
+        token = torch.where(finished, pad_id, next_tokens(logits, sampling, generator))
+        generated[:, step] = token
+        was_finished = finished
+        finished = finished | torch.isin(token, stops)
+        steps = step + 1
+        if on_tokens is not None:
+            alive = (~was_finished & ~torch.isin(token, stops)).tolist()
+            on_tokens(token.tolist(), alive)
+            if not any(alive):
+                break
+        elif steps % STOP_CHECK_EVERY == 0 and bool(finished.all()):
+            break
+        if steps == sampling.max_new_tokens:
+            break
+        logits = batch.step(token)
+    out = []
+    stop_set = set(stop_ids)
+    for row in generated[:, :steps].tolist():
+        tokens = []
+        for t in row:
+            if t in stop_set:
+                break
+            tokens.append(t)
+        out.append(tokens)
+    return out

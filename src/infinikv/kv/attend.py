@@ -1,0 +1,89 @@
+"""Attention over slots as pure tensor functions (b batch, H query heads, h KV heads, g = H/h
+query heads per KV head, q queries, L slots, d head dim). K/V are never repeated per query head:
+the g query heads of a KV head are folded into its rows of queries."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUERY_CHUNK = 1024  # queries per block when attention weights are materialised
+
+
+def grouped(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(b, H, q, d) -> (b, h, g, q, d): the query heads that share each KV head."""
+    b, n_heads, q, d = query.shape
+    return query.view(b, n_kv_heads, n_heads // n_kv_heads, q, d)
+
+
+def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Plain causal attention of a first chunk (nothing stored, no padding): (b, H, q, d)."""
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+
+
+def masked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """SDPA over per-KV-head masks: query (b, H, q, d), key/value (b, h, L, d), visible
+    (b, h, q or 1, L) bool or None (all visible), bias (b, h, L) or None -> (b, H, q, d)."""
+    b, n_heads, q, d = query.shape
+    n_kv = key.shape[1]
+    g = n_heads // n_kv
+    mask = None
+    if visible is not None:
+        mask = visible[:, :, None].expand(-1, -1, g, -1, -1).reshape(b, n_kv, -1, key.shape[2]) if q > 1 else visible
+        if bias is not None:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            mask = mask + bias[:, :, None, :]
+    elif bias is not None:
+        mask = bias[:, :, None, :].to(query.dtype)
+    qg = grouped(query, n_kv).reshape(b, n_kv, g * q, d)
+    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
+    return out.view(b, n_heads, q, d)
+
+
+def weighted(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention that also returns the probability mass each slot received.
+
+    Shapes as in ``masked``. Returns the output (b, H, q, d); the probabilities summed over the q
+    queries and the g query heads of each KV head (b, h, L); and those of the last query alone,
+    summed over the heads (b, h, L). Queries run in blocks, so the (q, L) weights of a long
+    prefill never exist all at once.
+    """
+    qg = grouped(query, key.shape[1])
+    q = qg.shape[3]
+    if q == 1:  # a decode step: one block, no copies
+        logits = torch.einsum("bhgqd,bhld->bhgql", qg, key) * scaling
+        if bias is not None:
+            logits = logits + bias[:, :, None, None, :]
+        if visible is not None:
+            logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+        probs = logits.float().softmax(-1)
+        last = probs[:, :, :, 0].sum(2)
+        out = torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value)
+        return out.flatten(1, 2), last, last
+    outputs, mass = [], torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
+    for start in range(0, q, QUERY_CHUNK):
+        block = qg[:, :, :, start : start + QUERY_CHUNK]
+        logits = torch.einsum("bhgqd,bhld->bhgql", block, key) * scaling
+        if bias is not None:
+            logits = logits + bias[:, :, None, None, :]
+        if visible is not None:
+            logits = logits.masked_fill(~visible[:, :, None, start : start + QUERY_CHUNK], float("-inf"))
+        probs = logits.float().softmax(-1)
+        mass += probs.sum((2, 3))
+        last = probs[:, :, :, -1].sum(2)
+        outputs.append(torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value))
+    return torch.cat(outputs, dim=3).flatten(1, 2), mass, last

@@ -1,0 +1,187 @@
+"""The decode core: one loop for every caller, no host syncs in a steady decode step, compiled
+decode steps equal to eager ones, incremental detokenization, several batches in one forward."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from infinikv import Batch, make_policy
+from infinikv.core import Sampling, sample, step_together
+from infinikv.policies import REGISTRY
+from infinikv.text import Detokenizer
+from test_policies import ALL, prepared, whole
+
+
+def run(batch: Batch, prompts, steps: list[int], chunk: int | None = None, tail: list[int] | None = None):
+    """Prefill, decode ``steps`` (the same token in every row), then feed a chunk: every logit."""
+    out = [batch.prefill(prompts, pad_id=0, chunk=chunk)]
+    for token in steps:
+        out.append(batch.step(torch.full((len(prompts),), token)))
+    if tail:
+        out.append(batch.feed(torch.tensor([tail] * len(prompts))))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ALL)
+@torch.inference_mode()
+def test_padded_chunked_batches_match_full(tiny, name):
+    """Left padding, a prefill in chunks, decode steps, then a chunk after them: the same logits
+    as ``full`` whenever the budget covers everything."""
+    prompts = [list(range(1, 30)), list(range(40, 51))]
+    steps, tail = [7, 8, 9, 10], [11, 12, 13]
+    reference = run(Batch(tiny, make_policy("full")), prompts, steps, chunk=8, tail=tail)
+    ours = run(Batch(tiny, whole(name, tiny)), prompts, steps, chunk=8, tail=tail)
+    assert (ours - reference).abs().max() < (0.005 if name == "quant" else 1e-5)
+
+
+STEADY = [("full", {}), ("sink", {"capacity": 48}), ("h2o", {"capacity": 48}), ("bct", {"capacity": 48})]
+STEADY += [("bct", {"capacity": 48, "positions": "rank"}), ("quant", {}), ("sink", {"budget": 0.3})]
+
+
+@pytest.mark.parametrize("name, options", STEADY)
+@torch.inference_mode()
+def test_a_steady_decode_step_never_reads_the_device(real, emma_ids, name, options):
+    """Counts ``aten::item`` / ``aten::_local_scalar_dense`` (a device-to-host read) over real decode
+    steps of the bundled model with a batch of two: none."""
+    model, _ = real
+    batch = Batch(model, make_policy(name, **options))
+    ids = emma_ids[:, :140].expand(2, -1)
+    batch.feed(ids[:, :100])
+    for i in range(100, 103):
+        batch.step(ids[:, i])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(103, 107):
+            batch.step(ids[:, i])
+    reads = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense")}
+    assert reads == {}
+    assert any(e.key == "aten::mm" or e.key == "aten::addmm" for e in prof.key_averages())  # it did profile
+
+
+@torch.inference_mode()
+def test_infinigen_reads_the_device_once_per_sparse_layer(real, emma_ids):
+    """Its one read per sparse layer and step: how many rows this step fetches (the top-k size)."""
+    model, tokenizer = real
+    batch = Batch(model, prepared(make_policy("infinigen"), model, tokenizer))
+    batch.feed(emma_ids[:, :100])
+    batch.step(emma_ids[:, 100])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(101, 104):
+            batch.step(emma_ids[:, i])
+    reads = {e.key: e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense"}
+    assert reads == {"aten::_local_scalar_dense": 3 * 28}
+
+
+COMPILABLE = [("full", {}), ("sink", {"capacity": 12}), ("h2o", {"capacity": 12})]
+COMPILABLE += [("bct", {"capacity": 12}), ("bct", {"capacity": 12, "positions": "rank"})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, options", COMPILABLE)
+@torch.inference_mode()
+def test_compiled_decode_steps_equal_eager_ones(tiny, name, options):
+    """Every bounded policy (and full with a maximum length) through torch.compile: logits within
+    1e-5 of eager over 40 steps that fill, evict and (rank) renumber; no recompilation after the first."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = torch.randint(0, 128, (1, 80))
+    eager = Batch(tiny, make_policy(name, **options), max_length=80)
+    compiled = Batch(tiny, make_policy(name, **options), compile=True, max_length=80)
+    for batch in (eager, compiled):
+        batch.feed(ids[:, :8])
+    for i in range(8, 48):
+        assert (eager.step(ids[:, i]) - compiled.step(ids[:, i])).abs().max() < 1e-5
+    assert compiled.compile_seconds > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiling_a_growing_cache_is_refused(tiny):
+    from infinikv.errors import InfinikvError
+
+    with pytest.raises(InfinikvError, match="--capacity"):
+        Batch(tiny, make_policy("sink", budget=0.5), compile=True)
+    with pytest.raises(InfinikvError, match="cannot be compiled"):
+        Batch(tiny, make_policy("quant"), compile=True)
+    with pytest.raises(InfinikvError, match="max-length"):
+        Batch(tiny, make_policy("full"), compile=True)
+
+
+@torch.inference_mode()
+def test_several_batches_in_one_forward_equal_each_alone(tiny):
+    """Different policies in one forward (the server's continuous batching) compute what each
+    batch computes alone."""
+    policies = [make_policy("full"), make_policy("sink", capacity=6), make_policy("h2o", capacity=6)]
+    prompts = [[[1, 2, 3, 4, 5, 6, 7, 8]], [[9, 10, 11, 12, 13, 14, 15, 16, 17], [3, 4]], [[20, 21, 22]]]
+    alone = [Batch(tiny, p) for p in policies]
+    together = [Batch(tiny, p) for p in policies]
+    firsts = [b.prefill(p, pad_id=0) for b, p in zip(alone, prompts, strict=True)]
+    for b, p in zip(together, prompts, strict=True):
+        b.prefill(p, pad_id=0)
+    tokens = [f.argmax(-1) for f in firsts]
+    for _ in range(10):
+        expected = [b.step(t) for b, t in zip(alone, tokens, strict=True)]
+        got = step_together(together, tokens)
+        for e, g in zip(expected, got, strict=True):
+            assert (e - g).abs().max() < 1e-5
+        tokens = [e.argmax(-1) for e in expected]
+
+
+@torch.inference_mode()
+def test_rows_join_and_leave_a_batch(tiny):
+    """A sequence prefilled alone and appended to a running batch decodes as it would alone."""
+    ids = torch.randint(0, 128, (3, 40))
+    alone = [Batch(tiny, make_policy("h2o", capacity=10)) for _ in range(3)]
+    for b, row in zip(alone, ids, strict=True):
+        b.feed(row[None, :20])
+    group = Batch(tiny, make_policy("h2o", capacity=10))
+    group.feed(ids[:1, :20])
+    other = Batch(tiny, make_policy("h2o", capacity=10))
+    other.feed(ids[1:, :20])
+    group.append(other)
+    for i in range(20, 30):
+        expected = torch.cat([b.step(ids[r : r + 1, i]) for r, b in enumerate(alone)])
+        assert (group.step(ids[:, i]) - expected).abs().max() < 1e-5
+    group.keep([2, 0])
+    for i in range(30, 35):
+        expected = torch.cat([alone[2].step(ids[2:3, i]), alone[0].step(ids[0:1, i])])
+        assert (group.step(ids[[2, 0], i]) - expected).abs().max() < 1e-5
+
+
+def test_sample_stops_each_row_on_its_own(tiny):
+    batch = Batch(tiny, make_policy("full"))
+    logits = batch.prefill([[1, 2, 3], [4, 5]], pad_id=0)
+    stop = int(logits[1].argmax())  # the second row stops at once
+    tokens = sample(batch, logits, Sampling(max_new_tokens=6), stop_ids=[stop], pad_id=0)
+    assert tokens[1] == [] and 0 < len(tokens[0]) <= 6 and stop not in tokens[0]
+
+
+def test_detokenizer_pieces_add_up_and_cost_no_more_per_token(real):
+    """The pieces equal the whole decode, and each push decodes a bounded window."""
+    _, tokenizer = real
+    text = "Ça coûte 5 €. Naïve café — 日本語のテキスト, and plain English. " * 40
+    ids = tokenizer(text).input_ids
+    calls = []
+    original = tokenizer.decode
+
+    def counting(tokens, **kwargs):
+        calls.append(len(tokens))
+        return original(tokens, **kwargs)
+
+    tokenizer.decode = counting
+    try:
+        stream = Detokenizer(tokenizer)
+        pieces = [stream.push(t) for t in ids] + [stream.flush()]
+    finally:
+        tokenizer.decode = original
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(calls) <= 8  # a window of a few tokens, never the whole output
+
+
+def test_the_core_needs_no_name(tiny):
+    """Every registered policy runs through the same Batch calls."""
+    for name, cls in REGISTRY.items():
+        policy = whole(name, tiny)
+        batch = Batch(tiny, policy)
+        batch.prefill([[1, 2, 3]], pad_id=0)
+        assert batch.step(torch.tensor([4])).shape == (1, 128), cls
