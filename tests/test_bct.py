@@ -12,8 +12,8 @@ from infinikv.kv.slots import Slots
 from infinikv.models import default_policy_spec
 from infinikv.policies import RULES
 from infinikv.policies.base import Budget
-from infinikv.policies.bct import parse_bytes
 from infinikv.policies.layer import KVLayer
+from infinikv.sizes import parse_bytes
 
 RULE_NAMES = list(RULES)
 

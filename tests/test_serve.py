@@ -280,3 +280,43 @@ def test_bench_serve():
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["itl_p50_ms"] > 0
     assert result["tokens_per_second"] == pytest.approx(3 * 4 / result["seconds"], rel=0.01)
     assert result["peak_rss_bytes"] > result["model_bytes"] > 0 and result["requests_per_second"] > 0
+
+
+def test_a_long_prefill_is_chunked_between_decode_steps(real):
+    """While a stream decodes, a long prompt is prefilled a chunk at a time with decode steps in
+    between (the stream keeps getting tokens), and both finish with the right texts."""
+    import threading
+
+    from infinikv.core import Sampling
+    from infinikv.serve.scheduler import Scheduler, Sequence
+
+    model, tokenizer = real
+    scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, prefill_chunk=128)
+    events: dict[str, list] = {"stream": [], "long": []}
+    done = threading.Event()
+
+    def emit(name):
+        def put(event):
+            events[name].append((event, scheduler.steps))
+            if name == "long" and event[0] in ("done", "error"):
+                done.set()
+
+        return put
+
+    try:
+        stream = Sequence(
+            tokenizer("Once upon a time").input_ids, make_policy("full"), Sampling(60), [], emit("stream")
+        )
+        scheduler.submit(stream)
+        while scheduler.steps < 3:  # the stream is decoding
+            time.sleep(0.01)
+        long_ids = tokenizer("It was a bright cold day in April. " * 120).input_ids[:1000]
+        prompt = Sequence(long_ids, make_policy("full"), Sampling(1), [], emit("long"))
+        scheduler.submit(prompt)
+        assert done.wait(120)
+    finally:
+        scheduler.close()
+    finished_at = events["long"][-1][1]
+    assert events["long"][-1][0] == ("done", "length")
+    assert finished_at - 3 >= 1000 // 128  # at least one decode step per chunk before the prefill ended
+    assert len([e for e in events["stream"] if 3 <= e[1] <= finished_at and e[0][0] == "text"]) >= 1000 // 128

@@ -17,26 +17,36 @@ from ..policies import Policy
 from ..policies.base import model_shape
 
 
-@torch.inference_mode()
-def triad_bandwidth(device: torch.device | str = "cpu", mib: int = 64, repeats: int = 8) -> float:
+class Triad:
     """Memory bandwidth in bytes/s by a STREAM triad ``a = b + s * c`` on ``mib``-MiB arrays.
 
     Runs with torch's current thread count (the one the bench decodes with); like STREAM it
-    counts 3 arrays moved per pass (two read, one written) and reports the best pass.
+    counts 3 arrays moved per pass (two read, one written). ``measure`` times one pass; the bench
+    runs one between its rounds of decode steps, because the bandwidth a shared machine gives
+    changes from minute to minute (seen here: 16 to 28 GB/s), and a floor must be taken in the
+    same conditions as the steps it is compared with.
     """
-    device = torch.device(device)
-    n = mib * 2**20 // 4
-    a, b, c = (torch.rand(n, device=device) for _ in range(3))
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+
+    def __init__(self, device: torch.device | str = "cpu", mib: int = 64) -> None:
+        self.device = torch.device(device)
+        n = mib * 2**20 // 4
+        self.arrays = [torch.rand(n, device=self.device) for _ in range(3)]
+        self.passes: list[float] = []
+
+    @torch.inference_mode()
+    def measure(self) -> float:
+        a, b, c = self.arrays
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         begin = time.perf_counter()
         torch.add(b, c, alpha=3.0, out=a)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - begin)
-    return 3 * n * 4 / best
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.passes.append(3 * a.numel() * 4 / (time.perf_counter() - begin))
+        return self.passes[-1]
+
+    def median(self) -> float:
+        return statistics.median(self.passes)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -97,8 +107,9 @@ def bench_speed(
     reference: bool = True,
 ):
     """Yield one result per (context, run): median ms per decode step, ratio to ``full``, memory,
-    and the floor ``(weights + K/V touched per step) / bandwidth`` (bytes/s; measured by
-    ``triad_bandwidth`` when not given) with the efficiency floor / measured.
+    and the floor ``(weights + K/V touched per step) / bandwidth`` with the efficiency floor /
+    measured. The bandwidth is the median of triad passes run between the rounds of steps (or
+    ``bandwidth``, bytes/s, when given).
 
     Every run decodes the same tokens, interleaved step by step. ``reference`` adds transformers'
     own ``DynamicCache`` (``hf-dynamic``); ``compile`` adds a compiled run of every compilable
@@ -107,7 +118,7 @@ def bench_speed(
     process = psutil.Process()
     device = next(model.parameters()).device
     ids = ids.to(device)
-    bandwidth = bandwidth or triad_bandwidth(device)
+    triad = Triad(device)
     link = host_to_device_bandwidth(device) if device.type == "cuda" else None
     weights = weight_bytes(model)
     layers, n_kv, head_dim = model_shape(model.config)
@@ -138,6 +149,7 @@ def bench_speed(
         times: dict[str, list[float]] = {key: [] for key in runs}
         tokens = ids[:, context:length]
         for step in tqdm(range(warmup + steps), desc=f"decode {context}", disable=not progress, leave=False):
+            triad.measure()
             for key, (_, run) in runs.items():  # interleaved: every run sees the same machine state
                 sync()
                 begin = time.perf_counter()
@@ -148,6 +160,7 @@ def bench_speed(
                 elif step == warmup - 1 and isinstance(run, Batch) and not run.compile:
                     run.cache.clock.enabled = True  # profile the timed steps (eager runs only)
         medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
+        measured = bandwidth or triad.median()
         full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == "full" and not d["compiled"]), None)
         rss = process.memory_info().rss
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -164,7 +177,7 @@ def bench_speed(
             if profile:
                 profile["rest"] = round(statistics.mean(times[key]) * 1000 - sum(profile.values()), 3)
             moved = transfer.get("bytes_moved_per_step", 0)
-            floor = floor_ms(weights, attended, moved, bandwidth, link)
+            floor = floor_ms(weights, attended, moved, measured, link)
             yield {
                 **description,
                 "context": context,
@@ -176,7 +189,7 @@ def bench_speed(
                 **({"fetched_fraction": transfer["fetched_fraction"]} if transfer else {}),
                 "kv_bytes_attended_per_step": round(attended),
                 "weights_bytes": weights,
-                "bandwidth_bytes_per_second": round(bandwidth),
+                "bandwidth_bytes_per_second": round(measured),
                 **({"link_bytes_per_second": round(link)} if link else {}),
                 "threads": torch.get_num_threads(),
                 "floor_ms_per_step": round(floor, 3),

@@ -72,7 +72,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
-    from ..bench.speed import bench_speed, triad_bandwidth
+    from ..bench.speed import bench_speed
 
     policies = grid(args)
     contexts = [int(c) for c in floats(args.contexts, "--contexts")]
@@ -89,12 +89,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
     if ids.shape[1] < need:
         raise InfinikvError(f"{args.text} has fewer than the {need} tokens the longest context needs")
     prepare(policies, model, tokenizer, progress=not args.quiet)
-    bandwidth = triad_bandwidth(args.device)
     out = results_file(args, "speed")
-    print(
-        f"speed: contexts {contexts}, {args.steps} steps; triad bandwidth {bandwidth / 1e9:.1f} GB/s; results -> {out}",
-        file=sys.stderr,
-    )
+    print(f"speed: contexts {contexts}, {args.steps} steps; results -> {out}", file=sys.stderr)
     rows = []
     cells = bench_speed(
         model,
@@ -103,7 +99,6 @@ def cmd_speed(args: argparse.Namespace) -> int:
         contexts,
         args.steps,
         progress=not args.quiet,
-        bandwidth=bandwidth,
         chunk=args.prefill_chunk,
         compile=args.compile,
     )
@@ -118,11 +113,11 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
         print(f"plot -> {speed_plot(rows, Path(args.plot))}", file=sys.stderr)
     columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("floor ms", 9), ("eff.", 6), ("KV MiB", 8), ("RSS MiB", 8)
-    print(f"{'context':>8} {'policy':<26} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
+    print(f"{'context':>8} {'policy':<36} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for r in rows:
         ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
         print(
-            f"{r['context']:>8} {run_label(r):<26} {budget_label(r):>8} {r['ms_per_step']:>9.1f} "
+            f"{r['context']:>8} {run_label(r):<36} {budget_label(r):>8} {r['ms_per_step']:>9.1f} "
             f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
             f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
         )
@@ -131,9 +126,12 @@ def cmd_speed(args: argparse.Namespace) -> int:
         p = r["profile_ms"]
         if p:
             print(
-                f"{r['context']:>8} {run_label(r):<26} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
+                f"{r['context']:>8} {run_label(r):<36} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
                 f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f}"
             )
+    for context in sorted({r["context"] for r in rows}):
+        bandwidth = next(r["bandwidth_bytes_per_second"] for r in rows if r["context"] == context)
+        print(f"triad bandwidth at {context}: {bandwidth / 1e9:.1f} GB/s (median of passes between the steps)")
     compiled = [r for r in rows if r.get("compile_seconds")]
     for r in compiled:
         print(

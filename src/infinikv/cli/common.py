@@ -40,7 +40,8 @@ def add_policy_arguments(
             "--policies",
             dest="policies",
             default=fallback,
-            help=f"comma-separated policies ({names}); default {'all' if every_policy else fallback}",
+            help=f"comma-separated policies ({names}), each optionally NAME[option=value,...]; "
+            f"default {'all' if every_policy else fallback}",
         )
         group.add_argument(
             "--budget",
@@ -74,21 +75,50 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in args.policy_options if getattr(args, name, None) is not None}
 
 
-def specs(args: argparse.Namespace, names: list[str], budgets: list[float | None]) -> list[dict[str, Any]]:
-    """One spec per (policy, budget) cell asked for; policies without a budget once."""
+def split_policies(text: str) -> list[tuple[str, dict[str, str]]]:
+    """``"full,bct[positions=original,update_rule=tova]"`` -> names with their own options."""
+    out, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            item = text[start:i].strip()
+            start = i + 1
+            if not item:
+                continue
+            name, _, rest = item.partition("[")
+            if rest and not rest.endswith("]"):
+                raise InfinikvError(f"--policies: {item!r} is not NAME or NAME[option=value,...]")
+            options = {}
+            for pair in filter(None, (p.strip() for p in rest[:-1].split(","))):
+                key, eq, value = pair.partition("=")
+                if not eq:
+                    raise InfinikvError(f"--policies: {pair!r} in {item!r} is not option=value")
+                options[key.strip().replace("-", "_")] = value.strip()
+            out.append((name.strip(), options))
+    return out
+
+
+def specs(
+    args: argparse.Namespace, names: list[str | tuple[str, dict[str, str]]], budgets: list[float | None]
+) -> list[dict[str, Any]]:
+    """One spec per (policy, budget) cell asked for; policies without a budget once. A name may
+    come with options of its own (``split_policies``), which win over the flags."""
     given = given_options(args)
-    classes = [policy_class(name) for name in names]
+    cells = [(n, {}) if isinstance(n, str) else n for n in names]
+    classes = [(policy_class(name), own) for name, own in cells]
     for option in given:
-        if not any(option in {o.name for o in cls.all_options()} for cls in classes):
-            raise InfinikvError(f"--{option.replace('_', '-')} does not apply to policy {', '.join(names)}")
+        if not any(option in {o.name for o in cls.all_options()} for cls, _ in classes):
+            raise InfinikvError(
+                f"--{option.replace('_', '-')} does not apply to policy {', '.join(c for c, _ in cells)}"
+            )
     out = []
-    for cls in classes:
-        own = {k: v for k, v in given.items() if k in {o.name for o in cls.all_options()}}
+    for cls, own in classes:
+        options = {**{k: v for k, v in given.items() if k in {o.name for o in cls.all_options()}}, **own}
         if not cls.takes_budget:
-            out.append({"policy": cls.name, **own})
+            out.append({"policy": cls.name, **options})
             continue
         for budget in budgets if args.capacity is None else [None]:
-            out.append({"policy": cls.name, "budget": budget, "capacity": args.capacity, **own})
+            out.append({"policy": cls.name, "budget": budget, "capacity": args.capacity, **options})
     return out
 
 
@@ -102,7 +132,7 @@ def floats(text: str | None, flag: str) -> list[float | None]:
 
 
 def grid(args: argparse.Namespace) -> list[Policy]:
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    names = split_policies(args.policies)
     return [parse_spec(spec) for spec in specs(args, names, floats(args.budgets, "--budgets"))]
 
 

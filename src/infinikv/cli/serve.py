@@ -21,8 +21,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..policies.bct import parse_bytes
     from ..serve.app import create_app
+    from ..sizes import parse_bytes
 
     kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
     check(args)
@@ -52,8 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from ..policies.bct import parse_bytes
     from ..serve.bench import bench_serve
+    from ..sizes import parse_bytes
 
     kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
     check(args)
@@ -110,7 +110,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for K/V budget (default 16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
-        "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps (default 256)"
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="most prompt tokens prefilled between two decode steps (default 512; fewer while streams run)",
     )
     p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
     add_policy_arguments(p)

@@ -174,6 +174,7 @@ class KVLayer(CacheLayerMixin):
         self.ranked_rows: torch.Tensor | None = None  # (b,) bool
         self._capacity_key: tuple | None = None
         self.where: torch.Tensor | slice | None = None  # the slots of the current chunk's tokens
+        self.uniform = True  # every KV head holds the same tokens (nothing evicted yet): one mask serves all
         self.observer: Any = None  # called with the positions each decode step attends to (eval recall)
         self.fast = FastTier() if fetcher is not None else None
         self.transfer: Transfer | None = None
@@ -217,6 +218,7 @@ class KVLayer(CacheLayerMixin):
             excess = [max(0, h - c) for h, c in zip(held, capacities, strict=True)]
             slots.forget(excess)
             evict, even = max(excess), len(set(excess)) == 1
+            self.uniform = self.uniform and evict == 0 and not slots.static
             static = slots.static and evict <= 1
             if static:  # one victim at most, decided on the device: the same plan every step
                 evict, even = 1, True
@@ -347,22 +349,23 @@ class KVLayer(CacheLayerMixin):
         return torch.cat([position, current], -1), torch.cat([visible, torch.ones_like(visible[..., :1])], -1)
 
     def visibility(self, q: int, length: int) -> torch.Tensor | None:
-        """Which of the ``length`` keys each query sees ``(b, h, q or 1, L)``, or None for all."""
+        """Which of the ``length`` keys each query sees ``(b, h or 1, q or 1, L)``, or None for all."""
         if self.plan.fetch:
             visible = self.fetched[1]
             if visible is None:
                 return None
             return torch.cat([visible, torch.ones_like(visible[..., :1])], -1)[:, :, None]
-        valid = self.slots.state["valid"][:, :, :length]
+        heads = slice(0, 1) if self.uniform else slice(None)  # (b, 1, ...) broadcasts over the heads
+        valid = self.slots.state["valid"][:, heads, :length]
         if q == 1:
             return valid[:, :, None] if self.plan.masked else None
-        position = self.slots.state["position"][:, :, :length]
+        position = self.slots.state["position"][:, heads, :length]
         visible = valid[:, :, None, :] & (position[:, :, None, :] <= self.positions[:, None, :, None])
         own = self.where  # a new token always sees itself (a padding query must see something)
         if isinstance(own, slice):
             visible[:, :, :, own] |= torch.eye(q, dtype=torch.bool, device=visible.device)
         else:
-            visible.scatter_(3, own[..., None], True)
+            visible.scatter_(3, own[:, heads, :, None], True)
         return visible
 
     def evict(self) -> None:
@@ -577,6 +580,7 @@ class KVCache(Cache):
                 mine.capacities = (mine.capacities or []) + theirs.capacities
                 mine.slots.size = max(mine.slots.size or 0, theirs.slots.size or 0) or None
             mine.cumulative_length = max(mine.cumulative_length, theirs.cumulative_length)
+            mine.uniform = mine.uniform and theirs.uniform
             mine._capacity_key = None
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -96,7 +96,7 @@ def create_app(
     kv_memory: int,
     max_queue: int,
     api_key: str | None = None,
-    prefill_chunk: int = 256,
+    prefill_chunk: int = 512,
     compile: bool = False,
 ) -> FastAPI:
     """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets."""

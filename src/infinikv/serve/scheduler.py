@@ -78,8 +78,11 @@ class Scheduler:
 
     Each loop runs at most one prefill chunk (of the oldest request still being prefilled), then
     one decode step of every running sequence: a long prompt never stalls the running streams for
-    more than a chunk. Sequences whose policies share a spec share a batch and a cache, so their
-    attention runs batched; different specs share the forward's dense parts.
+    more than a chunk. While sequences are decoding, a chunk is sized to take about as long as a
+    decode step (from the rates measured so far, at most ``prefill_chunk`` tokens), so the gap
+    between two tokens of a stream at most doubles; with nothing decoding it is ``prefill_chunk``.
+    Sequences whose policies share a spec share a batch and a cache, so their attention runs
+    batched; different specs share the forward's dense parts.
     """
 
     def __init__(
@@ -88,7 +91,7 @@ class Scheduler:
         tokenizer,
         kv_memory: int,
         max_queue: int,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 512,
         compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -107,6 +110,8 @@ class Scheduler:
         self.max_batch = 0
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last steps
         self.fetched: dict[str, list[float]] = {}  # per two-tier policy: each request's fetched fraction
+        self.step_seconds = 0.0  # a decode step's duration, smoothed
+        self.prefill_rate = 0.0  # prompt tokens prefilled per second, smoothed
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="infinikv-scheduler", daemon=True)
         self.thread.start()
@@ -232,15 +237,17 @@ class Scheduler:
             seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
-        end = seq.prefilled + self.prefill_chunk
+        end = seq.prefilled + self.chunk_size()
         ids = torch.tensor([seq.prompt_ids[seq.prefilled : end]], device=seq.batch.device)
+        started = time.perf_counter()
         logits = seq.batch.feed(ids)
+        self.prefill_rate = smooth(self.prefill_rate, ids.shape[1] / (time.perf_counter() - started))
         seq.prefilled = min(end, len(seq.prompt_ids))
         if seq.prefilled < len(seq.prompt_ids):
             return
-        self.prefilling.remove(seq)
         self._advance(seq, logits)
-        if seq.finish_reason is None:
+        if seq.finish_reason is None:  # it joins the running sequences (else _retire reports it)
+            self.prefilling.remove(seq)
             key = json.dumps(seq.policy.spec(), sort_keys=True)
             group = self.groups.get(key)
             if group is None:
@@ -251,10 +258,18 @@ class Scheduler:
             seq.batch = None
         self._count_held()
 
+    def chunk_size(self) -> int:
+        """Prompt tokens for the next prefill chunk: about one decode step's worth while streams run."""
+        if not self.groups or not self.prefill_rate or not self.step_seconds:
+            return self.prefill_chunk
+        return max(16, min(self.prefill_chunk, round(self.prefill_rate * self.step_seconds)))
+
     def _step(self) -> None:
         groups = list(self.groups.values())
         tokens = [torch.tensor([s.tokens[-1] for s in g.seqs], device=g.batch.device) for g in groups]
+        started = time.perf_counter()
         logits = step_together([g.batch for g in groups], tokens)
+        self.step_seconds = smooth(self.step_seconds, time.perf_counter() - started)
         batch = 0
         for group, rows in zip(groups, logits, strict=True):
             for i, seq in enumerate(group.seqs):
@@ -343,6 +358,11 @@ class Scheduler:
             seq.fetched_fraction = summary["fetched_fraction"]
             with self.cond:
                 self.fetched.setdefault(seq.policy.name, []).append(summary["fetched_fraction"])
+
+
+def smooth(average: float, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average (the first value as it is)."""
+    return value if not average else (1 - weight) * average + weight * value
 
 
 def _safe_end(text: str, stops: list[str]) -> int:
