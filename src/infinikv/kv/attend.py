@@ -71,16 +71,16 @@ def weighted(
     """
     qg = grouped(query, key.shape[1])
     q = qg.shape[3]
-    if q == 1:  # a decode step: one block, no copies
-        logits = torch.einsum("bhgqd,bhld->bhgql", qg, key) * scaling
+    if q == 1:  # a decode step: one block, two matrix products, no copies
+        logits = torch.matmul(qg[:, :, :, 0], key.transpose(-1, -2)) * scaling  # (b, h, g, L)
         if bias is not None:
-            logits = logits + bias[:, :, None, None, :]
+            logits = logits + bias[:, :, None, :]
         if visible is not None:
-            logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
-        probs = logits.float().softmax(-1)
-        last = probs[:, :, :, 0].sum(2)
-        out = torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value)
-        return out.flatten(1, 2), last, last
+            logits = logits.masked_fill(~visible, float("-inf"))
+        probs = logits.softmax(-1, dtype=torch.float32)
+        last = probs.sum(2)
+        out = torch.matmul(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (b, h, g, d)
+        return out.reshape(query.shape), last, last
     outputs, mass = [], torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
     for start in range(0, q, QUERY_CHUNK):
         block = qg[:, :, :, start : start + QUERY_CHUNK]

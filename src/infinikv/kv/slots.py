@@ -172,13 +172,14 @@ class Slots:
                 self.state[name][:, :, where] = spec.initial
             return where
         where = self.free_slots(write)
+        away = where.to(self.keys.device) if self.home is not None else where  # slots of a slow tier
         for store, new in ((self.keys, key_states), (self.values, value_states)):
-            store.scatter_(2, expand_to(where, store).to(store.device), new.to(store.device))
+            store.scatter_(2, expand_to(away, store), new.to(store.device) if self.home is not None else new)
         self.state["valid"].scatter_(2, where, valid if real is not None else torch.ones_like(where, dtype=torch.bool))
         self.state["position"].scatter_(2, where, position)
         for name, spec in self.specs.items():
             t = self.state[name]
-            t.scatter_(2, expand_to(where, t).to(t.device), spec.initial)
+            t.scatter_(2, expand_to(away if spec.with_kv else where, t), spec.initial)
         return where
 
     def free_slots(self, write: Write) -> torch.Tensor:

@@ -48,7 +48,6 @@ class Plan:
     masked: bool  # some slot attention reads is empty, or some new token is padding
     fresh: bool  # the first chunk, no padding: plain causal attention
     evict: int  # victims per row
-    even: bool  # every row drops ``evict`` (else ``take`` says which)
     on_device: bool  # a compiled step's single victim, dropped only where the device finds the row over
     ranked: bool | None  # rows renumbered by rank: all (True), none (False), some (None)
     fetch: bool  # attends to rows fetched from the slow tier
@@ -249,7 +248,6 @@ class KVLayer(CacheLayerMixin):
             masked=slots.static or new_real is not None or any(h < write.length for h in held),
             fresh=self.stored == 0 and new_real is None and write.contiguous,
             evict=evict,
-            even=even,
             on_device=static,
             ranked=ranked,
             fetch=fetch,
