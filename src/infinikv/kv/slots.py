@@ -203,15 +203,24 @@ class Slots:
         else:
             valid.scatter_(2, victims, valid.gather(2, victims) & ~take)
 
-    def settle(self) -> None:
-        """After a staged chunk's eviction: move the valid slots back into the fixed storage."""
-        if self._staged is None:
+    def settle(self, compact: bool = False) -> None:
+        """After an eviction: a staged chunk's valid slots go back into the fixed storage; with
+        ``compact`` (after a chunk evicted many), the valid slots of growing storage move to the
+        front, so attention stops reading the holes."""
+        if self._staged is None and not (compact and self.n > max(self.held)):
             return
-        keys, values, state = self._staged
-        size = keys.shape[2]
-        order = (~self.state["valid"][:, :, : self.n]).to(torch.uint8).argsort(dim=-1, stable=True)[..., :size]
+        order = (~self.state["valid"][:, :, : self.n]).to(torch.uint8).argsort(dim=-1, stable=True)
+        if self._staged is None:
+            keys, values, state = self.keys, self.values, self.state
+            order = order[..., : max(self.held)]
+        else:
+            keys, values, state = self._staged
+            order = order[..., : keys.shape[2]]
+        length = order.shape[-1]
         for dst, src in ((keys, self.keys), (values, self.values), *((state[k], self.state[k]) for k in state)):
-            dst.copy_(src.gather(2, expand_to(order, src).to(src.device)))
+            dst[:, :, :length] = src[:, :, : self.n].gather(2, expand_to(order, src).to(src.device))
+        if self._staged is None:  # compacted in place: what lay past the kept slots is free now
+            state["valid"][:, :, length : self.n] = False
         self.keys, self.values, self.state, self._staged = keys, values, state, None
         self.n = max(self.held)
 

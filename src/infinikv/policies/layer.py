@@ -328,7 +328,7 @@ class KVLayer(CacheLayerMixin):
             self.observer(*self.attended_positions(key.shape[2]))
         if plan.evict:
             self.evict()
-        self.slots.settle()
+        self.slots.settle(compact=plan.evict > 1)
         self.clock.stop("attend", started)
         self.transfer = self.fetched = None
         self.pending = False
