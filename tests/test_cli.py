@@ -302,6 +302,21 @@ def test_bench_speed_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
     assert plot.stat().st_size > 10_000 and "floor ms" in out and "speculate" in out
 
 
+def test_bench_generation_reports_flat_windows_on_a_tiny_model(capsys, tmp_path, tiny_folder):
+    out_file = tmp_path / "generation.jsonl"
+    argv = ["bench", "generation", "--model", str(tiny_folder), "--policy", "bct", "--capacity", "16"]
+    code, out, _ = run(capsys, *argv, "--tokens", "60", "--window", "20", "--out", str(out_file), "--quiet")
+    row = json.loads(out_file.read_text())
+    assert code == 0 and row["tokens"] == 60 and [w["end"] for w in row["windows"]] == [20, 40, 60]
+    assert {w["kv_bytes"] for w in row["windows"]} == {16 * 2 * 2 * 32 * 2 * 4}  # full capacity, never more
+    assert row["last_over_first_rate"] == pytest.approx(
+        row["windows"][-1]["tokens_per_second"] / row["windows"][0]["tokens_per_second"], abs=2e-3
+    )
+    assert "last window" in out
+    code, _, err = run(capsys, *argv, "--tokens", "10", "--window", "20")
+    assert code == 2 and "--tokens at least --window" in err
+
+
 def test_generate_uses_a_built_models_policy(capsys, tmp_path):
     from infinikv.models import load_model, save_model
 

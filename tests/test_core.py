@@ -105,6 +105,16 @@ def test_compiling_a_growing_cache_is_refused(tiny):
         Batch(tiny, make_policy("quant"), compile=True)
     with pytest.raises(InfinikvError, match="max-length"):
         Batch(tiny, make_policy("full"), compile=True)
+    # callers ask before compiling: a fraction makes the storage grow, a capacity fixes it
+    assert not make_policy("h2o", budget=0.2).compilable and make_policy("h2o", capacity=8).compilable
+    assert make_policy("bct", kv_memory="1MiB").compilable and not make_policy("quant").compilable
+
+
+@torch.inference_mode()
+def test_a_budget_fraction_is_of_the_whole_prompt_however_it_is_chunked(tiny):
+    batch = Batch(tiny, make_policy("bct", budget=0.5))
+    batch.prefill([list(range(3, 43))], pad_id=0, chunk=8)
+    assert all(layer.capacities == [20] and layer.slots.held == [20] for layer in batch.cache.layers)
 
 
 @torch.inference_mode()

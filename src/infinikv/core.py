@@ -46,8 +46,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 class Batch:
     """Sequences decoding together under one cache (see the module docstring).
 
-    ``policy`` builds the cache (``max_length``: the most tokens a row will see, so unbounded
-    storage is allocated once; required to compile ``full``). ``compile``: run decode steps
+    ``policy`` builds the cache (``max_length``: the most tokens a row will see, which sizes the
+    storage of a compiled ``full``). ``compile``: run decode steps
     through ``torch.compile`` (``compile_seconds`` says what the first compiled step cost).
     """
 
@@ -59,8 +59,6 @@ class Batch:
         max_length: int | None = None,
         cache: KVCache | None = None,
     ) -> None:
-        if compile and not policy.compilable:
-            raise InfinikvError(f"policy {policy.label()} cannot be compiled (its cache shapes change as it runs)")
         self.model, self.policy, self.device = model, policy, model_device(model)
         self.cache = cache if cache is not None else policy.make_cache(model, max_length, static=compile)
         self.compile = compile
@@ -86,6 +84,7 @@ class Batch:
             raise InfinikvError("the prompt is empty")
         ids, real = left_pad(prompts, pad_id)
         self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        self.cache.expect([len(p) for p in prompts])
         chunk = chunk or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):

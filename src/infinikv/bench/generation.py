@@ -47,12 +47,15 @@ def long_generation(
         chars[0] += len(stream.push(step_tokens[0]))
         count[0] += 1
         bar.update(1)
-        if count[0] % window == 0:
+        if count[0] == 1:  # the first step compiles (when asked): the clock starts after it
+            started[0] = time.perf_counter()
+        elif count[0] % window == 0:
             now = time.perf_counter()
+            timed = window - 1 if len(windows) == 0 else window
             windows.append(
                 {
                     "end": count[0],
-                    "tokens_per_second": round(window / (now - started[0]), 3),
+                    "tokens_per_second": round(timed / (now - started[0]), 3),
                     "rss_bytes": process.memory_info().rss,
                     "kv_bytes": batch.cache.held_bytes(),
                     "characters": chars[0],
@@ -61,12 +64,17 @@ def long_generation(
             started[0] = now
 
     sampling = Sampling(max_new_tokens=tokens, temperature=0.8, top_p=0.95, seed=seed)
-    sample(batch, logits, sampling, stop_ids=[], pad_id=tokenizer.pad_token_id, on_tokens=record)
-    bar.close()
+    try:
+        sample(batch, logits, sampling, stop_ids=[], pad_id=tokenizer.pad_token_id, on_tokens=record)
+    except KeyboardInterrupt:  # keep the windows measured so far
+        if not windows:
+            raise
+    finally:
+        bar.close()
     first, last = windows[0], windows[-1]
     return {
         **policy.describe(),
-        "tokens": tokens,
+        "tokens": count[0],
         "window": window,
         "prompt_tokens": len(ids),
         "compiled": compile,

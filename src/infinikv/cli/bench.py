@@ -144,8 +144,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
 def cmd_generation(args: argparse.Namespace) -> int:
     from ..bench.generation import long_generation
 
-    if args.tokens < 1 or args.window < 1 or args.tokens < args.window:
-        raise InfinikvError("--tokens and --window must be at least 1, and --tokens at least --window")
+    if args.window < 2 or args.tokens < args.window:
+        raise InfinikvError("--window must be at least 2, and --tokens at least --window")
     spec = single_policy(args) or {"policy": "full"}
     policy = parse_spec(spec)
     model, tokenizer = models.load_model(args.model)

@@ -4,7 +4,8 @@ K/V are kept per sequence (row) and per KV head in *slots* ``(b, h, S, d)``, eac
 state ``(b, h, S, ...)``: ``valid`` (holds a real token) and ``position`` (the token's position),
 plus whatever a policy adds (scores, partial keys, quantization scales). The order of slots
 carries no meaning: attention masks come from ``valid`` and ``position``, so an evicted slot is
-simply marked invalid and the next token is written into it (no compaction, no ``torch.cat``).
+simply marked invalid and the next token is written into it (a decode step never compacts or
+concatenates; only a prefill chunk that evicts many tokens compacts, in ``settle``).
 
 What can be known without reading the device is kept on the host: ``n``, the slots that may
 hold a token, and ``held``, the valid slots of each row. A write is *planned* on the host from
@@ -132,6 +133,8 @@ class Slots:
 
         def resized(t: torch.Tensor) -> torch.Tensor:
             out = t.new_zeros(*t.shape[:2], size, *t.shape[3:])
+            if t.is_pinned():  # a slow tier stays pinned, so copies to the GPU stay asynchronous
+                out = out.pin_memory()
             out[:, :, :keep] = t[:, :, :keep]
             return out
 
@@ -240,6 +243,8 @@ class Slots:
         self.keys, self.values = joined[0], joined[1]
         self.state = dict(zip(self.state, joined[2:], strict=True))
         self.n, self.held = max(self.n, other.n), self.held + other.held
+        if self.static:  # every step of the joined batch reads the same slots
+            self.size = size
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order)."""

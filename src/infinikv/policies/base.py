@@ -170,8 +170,7 @@ class Policy(ABC):
     options: ClassVar[tuple[Option, ...]] = ()
     takes_budget: ClassVar[bool] = True
     needs_preparation: ClassVar[bool] = False  # a calibration must run (``prepare``) before caches are built
-    compilable: ClassVar[bool] = False  # its decode step has static shapes with a fixed capacity
-    two_tier: ClassVar[bool] = False  # keeps every token in a slow tier and fetches from it
+    compilable: ClassVar[bool] = False  # its decode step can have static shapes (``static_size``)
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
         known = {o.name: o for o in self.all_options()}
@@ -201,9 +200,9 @@ class Policy(ABC):
         """Layer ``index``'s cache layer; ``static``: slots for a compiled step (see ``make_cache``)."""
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
-        """A fresh cache for one batch with ``model``. ``max_length`` bounds the tokens a sequence
-        will see (so unbounded storage is allocated once); ``static`` fixes every shape of the decode
-        step for ``torch.compile`` (``compilable`` policies; ``full`` needs ``max_length``)."""
+        """A fresh cache for one batch with ``model``. ``static`` fixes every shape of the decode
+        step for ``torch.compile`` (``compilable`` policies); ``max_length``, the tokens a sequence
+        will see, sizes the static storage of a policy that keeps every token (``full``)."""
         from .layer import KVCache
 
         if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
@@ -288,7 +287,10 @@ class Evicting(Policy):
     with a ``--budget`` fraction, and is allocated once (capacity + 1 slots) when compiled."""
 
     rule: ClassVar[type[Rule]]
-    compilable = True
+
+    @property
+    def compilable(self) -> bool:  # a --budget fraction makes the storage grow
+        return self.budget is not None and self.budget.tokens is not None
 
     @classmethod
     def all_options(cls) -> tuple[Option, ...]:

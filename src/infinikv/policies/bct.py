@@ -30,7 +30,7 @@ class BoundedCache(Evicting):
 
     The capacity comes from ``--capacity`` (tokens per layer), from ``--kv-memory`` (total bytes,
     turned into tokens for the model's shapes and dtype), or from ``--budget`` (a fraction of the
-    first chunk, i.e. the prompt).
+    prompt: of its first chunk when the cache is fed without ``expect``).
     """
 
     name = "bct"
@@ -60,6 +60,10 @@ class BoundedCache(Evicting):
         if self.kv_bytes is not None and capacity is None:
             return None  # settled per model by resolve()
         return super().make_budget(budget, capacity)
+
+    @property
+    def compilable(self) -> bool:
+        return self.kv_bytes is not None or super().compilable
 
     @property
     def rule_class(self):

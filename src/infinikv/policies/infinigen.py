@@ -186,7 +186,8 @@ class Speculation(Fetcher):
         self.alpha, self.max_fetch, self.scaling, self.pooled = alpha, max_fetch, scaling, pooled
         self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False)}
         if pooled:  # what the bounded pool's eviction rules read
-            self.specs |= {"fetches": StateSpec(torch.float32), "last_fetch": StateSpec(torch.float32)}
+            history = StateSpec(torch.float32, with_kv=False)  # read with the speculation, on the fast tier
+            self.specs |= {"fetches": history, "last_fetch": history}
         self.steps = 0
 
     def store(self, slots: Slots, where: torch.Tensor | slice, key_states: torch.Tensor) -> None:
@@ -275,7 +276,6 @@ class InfiniGen(Policy):
     name = "infinigen"
     takes_budget = False
     needs_preparation = True
-    two_tier = True
     options = (
         Option("alpha", float, 4.0, "fetch tokens with logit > max - alpha, >= 0 (inf: all)", lambda a: a >= 0),
         Option(

@@ -96,7 +96,7 @@ class Stats:
         self.keys: list[float] = []  # keys attended, summed over decode steps
         self.fraction: list[float] = []  # keys attended / tokens seen, summed over decode steps
         self.peak: list[int] = []  # most slots held at once
-        self.fetch_steps = 0
+        self.fetch_steps: list[int] = []  # decode steps per row that fetched from the slow tier
         self.fetched: torch.Tensor | None = None  # (b,) tokens fetched per KV head, summed over steps
         self.fetched_fraction: torch.Tensor | None = None  # (b,) the same over the tokens stored
         self.attended_fraction: torch.Tensor | None = None  # (b,) fetched + the current token, over tokens seen
@@ -104,9 +104,10 @@ class Stats:
     def rows(self, b: int) -> None:
         if not self.steps:
             self.steps, self.keys, self.fraction, self.peak = [0] * b, [0.0] * b, [0.0] * b, [0] * b
+            self.fetch_steps = [0] * b
 
     def select(self, rows: list[int]) -> None:
-        for name in ("steps", "keys", "fraction", "peak"):
+        for name in ("steps", "keys", "fraction", "peak", "fetch_steps"):
             setattr(self, name, [getattr(self, name)[r] for r in rows])
         for name in ("fetched", "fetched_fraction", "attended_fraction"):
             t = getattr(self, name)
@@ -121,17 +122,16 @@ class Stats:
                 mine = mine if mine is not None else like.new_zeros(len(self.steps))
                 theirs = theirs if theirs is not None else like.new_zeros(len(other.steps))
                 setattr(self, name, torch.cat([mine, theirs]))
-        self.fetch_steps = max(self.fetch_steps, other.fetch_steps)
-        for name in ("steps", "keys", "fraction", "peak"):
+        for name in ("steps", "keys", "fraction", "peak", "fetch_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class KVLayer(CacheLayerMixin):
     """One layer's cache, composed of parts (see the module docstring).
 
-    ``fixed``: the storage is allocated once, for the capacity settled by the first chunk
-    (``--capacity``, or ``--budget`` times the first chunk's real tokens), plus one spare slot so a
-    decode step can attend to its new token before the rule decides which slot it displaces.
+    ``fixed``: the storage is allocated once, for the capacity settled before the first chunk
+    (``--capacity``, or ``--budget`` times the prompt's real tokens, see ``expect``), plus one
+    spare slot so a decode step can attend to its new token before the rule picks its victim.
     """
 
     is_sliding = False
@@ -163,8 +163,7 @@ class KVLayer(CacheLayerMixin):
         self.plan: Plan | None = None
         self.pending = False  # begun and not attended yet
         self.stored = 0  # slots that may have held a token before this forward
-        self.seen_before: list[int] = []  # ... and the tokens seen and held per row then
-        self.held_before: list[int] = []
+        self.held_before: list[int] = []  # ... and the tokens held per row then
         # the tensors of the current forward (set by ``begin``)
         self.positions: torch.Tensor | None = None  # (b, q)
         self.new_real: torch.Tensor | None = None  # (b, q) bool, None: all real
@@ -184,6 +183,13 @@ class KVLayer(CacheLayerMixin):
         return self.slots.static
 
     # -- the host side -----------------------------------------------------------------------
+    def expect(self, tokens: list[int]) -> None:
+        """Settle a fixed capacity on the ``tokens`` each row's prompt has, before its first chunk
+        (a ``--budget`` fraction is of the whole prompt, however it is cut into chunks)."""
+        if self.fixed and self.budget is not None and self.capacities is None:
+            self.capacities = [self.budget.capacity(t) for t in tokens]
+            self.slots.size = self.slots.size or max(self.capacities) + 1
+
     def begin(self, q: int, positions: torch.Tensor, new_real: torch.Tensor | None, real: list[int]) -> None:
         """Plan this forward of ``q`` tokens per row, ``real[r]`` of which are real (the others,
         ``new_real`` False, are left padding); ``positions`` (b, q) long on the device."""
@@ -194,13 +200,12 @@ class KVLayer(CacheLayerMixin):
         before = self.seen
         self.seen = [s + r for s, r in zip(before, real, strict=True)]
         self.cumulative_length += q
-        self.stored, self.seen_before, self.held_before = slots.n, before, list(slots.held or [0] * b)
+        self.stored, self.held_before = slots.n, list(slots.held or [0] * b)
         capacities = None
         if self.budget is not None:
             if self.fixed:
-                if self.capacities is None:  # settled once, by the real tokens of the first chunk
-                    self.capacities = [self.budget.capacity(s) for s in self.seen]
-                    slots.size = slots.size or max(self.capacities) + 1
+                if self.capacities is None:  # settled once: by the prompt (``expect``), else the first chunk
+                    self.expect(self.seen)
                 capacities = self.capacities
             else:
                 capacities = [self.budget.capacity(s) for s in self.seen]
@@ -441,7 +446,7 @@ class KVLayer(CacheLayerMixin):
         stored = torch.tensor(held, dtype=torch.float32, device=device).clamp(min=1)
         seen = torch.tensor(seen, dtype=torch.float32, device=device)
         stats = self.stats
-        stats.fetch_steps += 1
+        stats.fetch_steps = [n + 1 for n in stats.fetch_steps]
         for name, value in (("fetched", per_row), ("fetched_fraction", per_row / stored)):
             total = getattr(stats, name)
             setattr(stats, name, value if total is None else total + value)
@@ -462,9 +467,11 @@ class KVLayer(CacheLayerMixin):
         """Forget every token (the storage is allocated again at the next write)."""
         self.slots.clear()
         self.cumulative_length, self.seen, self.stats = 0, [], Stats()
-        if self.budget is not None and self.budget.fraction is not None:
-            self.capacities = None
-        self.plan, self.pending, self._capacity_key = None, False, None
+        self.capacities = None  # settled again by the next first chunk, and the storage with them
+        if not self.slots.static:
+            self.slots.size = None
+        self.plan, self.pending, self._capacity_key, self.uniform = None, False, None, True
+        self.take = self.transfer = self.fetched = None
 
 
 class KVCache(Cache):
@@ -485,6 +492,11 @@ class KVCache(Cache):
     @property
     def rows(self) -> int:
         return len(self.layers[0].seen)
+
+    def expect(self, tokens: list[int]) -> None:
+        """Say how many tokens each row's prompt has, before it is fed in chunks."""
+        for layer in self.layers:
+            layer.expect(tokens)
 
     def begin(self, q: int, positions: torch.Tensor, new_real: torch.Tensor | None, real: list[int]) -> None:
         """Plan the next forward of every layer (see ``KVLayer.begin``)."""
@@ -530,10 +542,10 @@ class KVCache(Cache):
         for layer in self.layers:
             s = layer.stats
             picked = rows if rows is not None else range(len(s.steps))
-            if s.fetch_steps:
-                fetched, fraction = s.fetched.tolist(), s.attended_fraction.tolist()
-                counts.append(sum(fetched[r] / s.fetch_steps + 1 for r in picked) / len(picked))
-                fractions.append(sum(fraction[r] / s.fetch_steps for r in picked) / len(picked))
+            if any(s.fetch_steps):
+                fetched, fraction, n = s.fetched.tolist(), s.attended_fraction.tolist(), s.fetch_steps
+                counts.append(sum(fetched[r] / max(n[r], 1) + 1 for r in picked) / len(picked))
+                fractions.append(sum(fraction[r] / max(n[r], 1) for r in picked) / len(picked))
                 continue
             steps = [s.steps[r] for r in picked if s.steps[r]]
             if not steps:
@@ -546,14 +558,15 @@ class KVCache(Cache):
 
     def transfer_summary(self, rows: list[int] | None = None) -> dict[str, float] | None:
         """Slow->fast traffic per decode step, for two-tier caches (else None)."""
-        layers = [layer for layer in self.layers if layer.stats.fetch_steps]
+        layers = [layer for layer in self.layers if any(layer.stats.fetch_steps)]
         if not layers:
             return None
         tokens, fractions, moved = [], [], 0.0
         for layer in layers:
             s = layer.stats
-            per_row = (s.fetched / s.fetch_steps).tolist()
-            ratio = (s.fetched_fraction / s.fetch_steps).tolist()
+            steps = torch.tensor(s.fetch_steps, device=s.fetched.device).clamp(min=1)
+            per_row = (s.fetched / steps).tolist()
+            ratio = (s.fetched_fraction / steps).tolist()
             picked = rows if rows is not None else range(len(per_row))
             tokens.append(sum(per_row[r] for r in picked) / len(picked))
             fractions.append(sum(ratio[r] for r in picked) / len(picked))

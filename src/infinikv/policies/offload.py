@@ -23,7 +23,6 @@ class Offload(Policy):
 
     name = "offload"
     takes_budget = False
-    two_tier = True
     options = (Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),)
 
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:

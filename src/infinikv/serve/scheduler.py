@@ -235,6 +235,7 @@ class Scheduler:
                 seq.policy.prepare(self.model, self.tokenizer)
             length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
             seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
+            seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
         end = seq.prefilled + self.chunk_size()
@@ -262,7 +263,7 @@ class Scheduler:
         """Prompt tokens for the next prefill chunk: about one decode step's worth while streams run."""
         if not self.groups or not self.prefill_rate or not self.step_seconds:
             return self.prefill_chunk
-        return max(16, min(self.prefill_chunk, round(self.prefill_rate * self.step_seconds)))
+        return min(self.prefill_chunk, max(16, round(self.prefill_rate * self.step_seconds)))
 
     def _step(self) -> None:
         groups = list(self.groups.values())
