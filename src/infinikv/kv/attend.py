@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 
 QUERY_CHUNK = 1024  # queries per block when attention weights are materialised
-SPLIT_FROM = 8192  # keys from which a decode step's attention is split along the keys
-SPLITS = 2  # key blocks per KV head: with few KV heads, every thread gets work
 
 
 def grouped(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
@@ -48,8 +46,6 @@ def masked(
     elif bias is not None:
         mask = bias[:, :, None, :].to(query.dtype)
     qg = grouped(query, n_kv).reshape(b, n_kv, g * q, d)
-    if mask is None and q == 1 and key.shape[2] >= SPLIT_FROM:
-        return split_keys(qg, key, value, scaling).view(b, n_heads, q, d)
     out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.view(b, n_heads, q, d)
 
@@ -94,27 +90,3 @@ def weighted(
         last = probs[:, :, :, -1].sum(2)
         outputs.append(torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value))
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last
-
-
-def split_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode attention split along the keys ("flash decoding"): query (b, h, g, d) over key/value
-    (b, h, L, d) -> (b, h, g, d). Each KV head's keys are cut into ``SPLITS`` blocks attended apart
-    and combined by their log-sum-exp, so a CPU's threads share a few long heads evenly (SDPA
-    gives each thread whole heads: 3 heads on 2 threads leave one idle half the time)."""
-    b, h, g, d = query.shape
-    n = key.shape[2] // SPLITS
-    cut = n * SPLITS
-    blocks = [(key[:, :, :cut].view(b, h, SPLITS, n, d), value[:, :, :cut].view(b, h, SPLITS, n, d))]
-    if cut < key.shape[2]:  # the few keys left over, as one more block
-        blocks.append((key[:, :, None, cut:], value[:, :, None, cut:]))
-    maxima, sums, outputs = [], [], []
-    for k, v in blocks:
-        logits = torch.matmul(query[:, :, None], k.transpose(-1, -2)) * scaling  # (b, h, c, g, n)
-        top = logits.amax(-1, keepdim=True)
-        weights = (logits - top).exp_()
-        maxima.append(top)
-        sums.append(weights.sum(-1, keepdim=True))
-        outputs.append(torch.matmul(weights, v))  # (b, h, c, g, d)
-    top, total, out = (torch.cat(x, dim=2) for x in (maxima, sums, outputs))
-    scale = (top - top.amax(2, keepdim=True)).exp_()
-    return (out * scale).sum(2) / (total * scale).sum(2)
