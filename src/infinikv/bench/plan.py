@@ -26,6 +26,7 @@ USABLE = 0.9  # share of GPU and host memory left after the CUDA context, activa
 QUANT_BITS, QUANT_GROUP = 4, 64  # quant-4: 4-bit values, an fp16 scale and minimum per 64 values
 DEFAULT_FETCH = 0.1  # InfiniGen's fetched share of the tokens (the paper: "< 10% on average")
 DEFAULT_H2O = 0.2  # H2O's kept share of the tokens
+FRACTIONS = {"infinigen": ("fetch", DEFAULT_FETCH), "h2o": ("keep", DEFAULT_H2O)}  # modelled: what each share is
 PARTIAL_RATIO = 0.3  # InfiniGen's partial weights and partial keys: 30% of each head's dims
 DENSE_LAYERS = 2  # InfiniGen's first layers attend (and fetch) densely
 POLICIES = ("offload", "quant-4", "h2o", "infinigen")

@@ -189,9 +189,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise InfinikvError(f"{flag} must be in (0, 1], got {value}")
     measured = planner.fractions_from_bench(planner.read_rows(args.from_json), args.context) if args.from_json else {}
     fractions = {}
-    for name, given, default in (
-        ("infinigen", args.fetch_fraction, planner.DEFAULT_FETCH),
-        ("h2o", args.h2o_budget, planner.DEFAULT_H2O),
+    for (name, (_, default)), given in zip(
+        planner.FRACTIONS.items(), (args.fetch_fraction, args.h2o_budget), strict=True
     ):
         fractions[name] = (given, "given") if given is not None else measured.get(name, (default, "default"))
     rows = planner.plan(
@@ -225,9 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(
         f"K/V fp16: {kv / 1e9:.1f} GB ({shape.kv_bytes_per_token() / 1e3:.1f} KB per token); "
-        + ", ".join(
-            f"{k} {'fetch' if k == 'infinigen' else 'keep'} {v:.3f} ({src})" for k, (v, src) in fractions.items()
-        )
+        + ", ".join(f"{k} {planner.FRACTIONS[k][0]} {v:.3f} ({src})" for k, (v, src) in fractions.items())
     )
     print(
         f"{'policy':<10} {'tok/s':>8} {'bound by':<11} {'K/V on':<6} {'GPU GB':>7} {'host GB':>8} {'PCIe GB/step':>13}"
