@@ -356,7 +356,8 @@ def test_bad_bct_input_from_the_cli(capsys, argv, message):
 
 def test_eval_recall_and_prepare(capsys, tmp_path):
     argv = ["eval", "recall", "--context", "64", "--steps", "2", "--policies", "infinigen,h2o", "--budget", "0.2"]
-    code, out, _ = run(capsys, *argv, "--alpha", "8", "--json", "--quiet", "--out", str(tmp_path / "r.jsonl"))
+    options = ("--select", "alpha", "--alpha", "8", "--dense-layers", "2")
+    code, out, _ = run(capsys, *argv, *options, "--json", "--quiet", "--out", str(tmp_path / "r.jsonl"))
     rows = json.loads(out)
     assert code == 0 and [r["policy"] for r in rows] == ["infinigen", "h2o"]
     for row in rows:

@@ -59,7 +59,8 @@ def test_a_steady_decode_step_never_reads_the_device(real, emma_ids, name, optio
 
 @torch.inference_mode()
 def test_infinigen_reads_the_device_once_per_sparse_layer(real, emma_ids):
-    """Its one read per sparse layer and step: how many rows this step fetches (the top-k size)."""
+    """Its one read per sparse layer and step: how many rows this step fetches (the top-k size);
+    none where the layer's calibrated mass is 1 (it fetches its cap, known on the host)."""
     model, tokenizer = real
     batch = Batch(model, prepared(make_policy("infinigen"), model, tokenizer))
     batch.feed(emma_ids[:, :100])
@@ -68,7 +69,8 @@ def test_infinigen_reads_the_device_once_per_sparse_layer(real, emma_ids):
         for i in range(101, 104):
             batch.step(emma_ids[:, i])
     reads = {e.key: e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense"}
-    assert reads == {"aten::_local_scalar_dense": 3 * 28}
+    sized = [layer for layer in batch.cache.layers if layer.fetcher is not None and layer.fetcher.rule["mass"] < 1]
+    assert 0 < len(sized) <= 30 and reads == {"aten::_local_scalar_dense": 3 * len(sized)}
 
 
 COMPILABLE = [("full", {}), ("sink", {"capacity": 12}), ("h2o", {"capacity": 12})]

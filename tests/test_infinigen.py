@@ -1,6 +1,7 @@
 """InfiniGen: selection semantics, exact skewing, the two tiers and their ledger, overlap."""
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from transformers import OPTConfig, OPTForCausalLM
 
 from infinikv import Batch, attach, make_policy
 from infinikv.errors import InfinikvError
-from infinikv.policies.infinigen import calibrate, skew
-from infinikv.speculation import pair_scores, pairs_to_columns, partial_query, select_tokens
+from infinikv.eval.recall import attention_recall
+from infinikv.policies.infinigen import MASS_GRID, calibrate, chosen_mass, skew
+from infinikv.speculation import pair_scores, pairs_to_columns, partial_query, select_by_mass, select_tokens
 
 
 def test_threshold_keeps_tokens_within_alpha_of_the_max():
@@ -43,6 +45,43 @@ def test_unfetchable_tokens_are_never_fetched():
     scores = torch.tensor([5.0, -math.inf, 4.0]).view(1, 1, 1, 3)
     rows, fetch = select_tokens(scores, alpha=math.inf, max_fetch=3)
     assert 1 not in rows[fetch].tolist()
+
+
+def logits(*probs: float) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def test_mass_rule_takes_the_fewest_tokens_reaching_the_mass():
+    scores = logits(0.5, 0.3, 0.15, 0.05).view(1, 1, 1, 4)
+    cap = [4]
+    for mass, expected in ((0.5, [0]), (0.7, [0, 1]), (0.85, [0, 1, 2]), (1.0, [0, 1, 2, 3])):
+        rows, fetch = select_by_mass(scores, mass, cap)
+        assert sorted(rows[fetch].tolist()) == expected
+    rows, fetch = select_by_mass(scores, 0.85, [2])  # the cap wins
+    assert rows[fetch].tolist() == [0, 1]
+
+
+def test_residents_come_first_and_their_mass_counts():
+    scores = logits(0.5, 0.3, 0.15, 0.05).view(1, 1, 1, 4)
+    resident = torch.tensor([False, False, False, True]).view(1, 1, 4)
+    rows, fetch = select_by_mass(scores, 0.54, [4], resident)
+    assert rows[fetch].tolist() == [0, 3]  # 0.05 (resident) + 0.5 reaches 0.54
+    rows, fetch = select_by_mass(scores, 0.56, [4], resident)
+    assert rows[fetch].tolist() == [0, 1, 3]
+
+
+def test_mass_rule_counts_per_kv_head_over_its_group_mean():
+    # KV head 0: both query heads peak on token 0; KV head 1: its two heads disagree (1 and 2)
+    head0 = torch.stack([logits(0.97, 0.01, 0.01, 0.01)] * 2)
+    head1 = torch.stack([logits(0.01, 0.97, 0.01, 0.01), logits(0.01, 0.01, 0.97, 0.01)])
+    rows, fetch = select_by_mass(torch.stack([head0, head1])[None], 0.9, [4])
+    assert rows[0, 0][fetch[0, 0]].tolist() == [0] and rows[0, 1][fetch[0, 1]].tolist() == [1, 2]
+
+
+def test_mass_rule_never_fetches_unfetchable_tokens():
+    scores = torch.tensor([5.0, -math.inf, 4.0]).view(1, 1, 1, 3)
+    rows, fetch = select_by_mass(scores, 1.0, [3])
+    assert 1 not in rows[fetch].tolist() and int(fetch.sum()) == 2
 
 
 def test_rotary_pairs_give_exact_partial_dot_products():
@@ -108,7 +147,7 @@ def infinigen(real, **params):
 @torch.inference_mode()
 def test_a_row_that_joins_late_counts_only_its_own_fetches(real, emma_ids):
     model, _ = real
-    policy = infinigen(real, alpha=4.0)
+    policy = infinigen(real, select="alpha", alpha=4.0)
     early, late = Batch(model, policy), Batch(model, policy)
     early.feed(emma_ids[:, :100])
     for i in range(100, 106):
@@ -131,7 +170,7 @@ def test_a_row_that_joins_late_counts_only_its_own_fetches(real, emma_ids):
 @torch.inference_mode()
 def test_ledger_bytes_are_tokens_times_bytes_per_token(real, emma_ids):
     model, _ = real
-    batch = Batch(model, infinigen(real, alpha=4.0))
+    batch = Batch(model, infinigen(real, select="alpha", alpha=4.0, dense_layers=2))
     batch.feed(emma_ids[:, :150])
     counts = []
     for layer in batch.cache.layers[2:]:
@@ -195,6 +234,10 @@ def test_infinigen_is_prepared_explicitly(tiny):
     "kwargs, message",
     [
         (dict(alpha=-1), "alpha"),
+        (dict(select="top"), "select"),
+        (dict(coverage=1.0), "coverage"),
+        (dict(mass=1.5), "mass"),
+        (dict(keep_recent=-1), "keep-recent"),
         (dict(partial_ratio=0), "partial-ratio"),
         (dict(partial_ratio=1.5), "partial-ratio"),
         (dict(max_fetch=0), "max-fetch"),
@@ -207,10 +250,36 @@ def test_bad_infinigen_parameters(kwargs, message):
         make_policy("infinigen", **kwargs)
 
 
-def test_calibration_ranks_pairs_per_kv_head(tiny):
+def test_calibration_ranks_pairs_per_kv_head_and_measures_coverage(tiny):
     prep = calibrate(tiny, torch.randint(0, 128, (1, 32)), progress=False)
     assert len(prep["pair_ranking"]) == 2
     assert [sorted(head) for head in prep["pair_ranking"][0]] == [list(range(8))] * 2  # 2 KV heads, d/2 = 8 pairs
+    coverage, fetched = prep["coverage"][1], prep["fetched"][1]
+    assert len(coverage) == len(fetched) == len(MASS_GRID)
+    # a larger speculated mass fetches more and covers more (up to the 4-digit rounding)
+    assert all(a <= b + 1e-4 for a, b in pairwise(coverage)) and 0 < coverage[0] <= coverage[-1] <= 1.0001
+    at = torch.arange(16, 32).float()  # the decode positions the curve averages over, 16 tokens fetchable or more
+    cap = float(((at * 0.2).ceil() / at).mean())
+    assert all(a <= b + 1e-4 for a, b in pairwise(fetched)) and 0 < fetched[-1] <= cap + 1e-4
+    target = (coverage[0] + coverage[-1]) / 2
+    smallest = next(m for m, c in zip(MASS_GRID, coverage, strict=True) if c >= target)
+    assert chosen_mass(prep, 1, target) == smallest
+    assert chosen_mass(prep, 1, 2.0) == 1.0  # out of reach: the cap
+
+
+@torch.inference_mode()
+def test_the_oracle_attends_to_the_true_top_tokens(real, emma_ids):
+    """At the first decode step layer 0's input is the full model's, so the oracle's choice there
+    covers exactly as much as the recall's oracle of the same count, and the speculation (from
+    the same input, layer 0 having no layer before it) at most that. Later layers see inputs
+    that already differ from the full model's."""
+    model, _ = real
+    oracle = infinigen(real, select="oracle", max_fetch=0.1)
+    speculated = infinigen(real, select="mass", coverage=0.9)
+    first, guessed = (attention_recall(model, emma_ids[:, :191], p, 190, progress=False) for p in (oracle, speculated))
+    assert first["recall_per_layer"][0] == pytest.approx(first["oracle_recall_per_layer"][0], abs=1e-4)
+    assert guessed["recall_per_layer"][0] <= guessed["oracle_recall_per_layer"][0] + 1e-4
+    assert 0.1 < first["attended_fraction"] < 0.11  # ceil(0.1 x 190) fetched and the current token, of 191
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
@@ -251,6 +320,16 @@ def test_bounded_pool(real, emma_ids, eviction):
     stored, held = layer.slots.keys, state["valid"]
     expected = stored.gather(-1, columns[None, :, None, :].expand(1, -1, stored.shape[2], -1))
     assert torch.equal(state["partial"][held], expected[held])
+
+
+def test_options_of_another_selection_rule_are_refused():
+    with pytest.raises(InfinikvError, match="--alpha applies to --select alpha"):
+        make_policy("infinigen", alpha=8)
+    with pytest.raises(InfinikvError, match="--coverage applies to --select mass"):
+        make_policy("infinigen", select="alpha", coverage=0.9)
+    with pytest.raises(InfinikvError, match="not both"):
+        make_policy("infinigen", coverage=0.9, mass=0.9)
+    assert make_policy("infinigen", select="alpha", alpha=8).params["alpha"] == 8
 
 
 def test_eviction_needs_a_pool():

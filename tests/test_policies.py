@@ -17,7 +17,7 @@ ALL = policy_names()
 BOUNDED = [name for name in ALL if REGISTRY[name].takes_budget]
 
 
-EXACT = {"infinigen": dict(alpha=math.inf, max_fetch=1.0)}  # speculation that fetches everything
+EXACT = {"infinigen": dict(mass=1.0, max_fetch=1.0)}  # speculation that fetches everything
 # Lossy by design: quant at 8 bits keeps every token but rounds it. Max logit error measured:
 # 0.28 on the real model's 120 tokens of Emma (logits ~20), 0.0009 on the tiny one (logits ~0.7);
 # its own bounds are in test_quant.py.

@@ -95,6 +95,33 @@ def select_tokens(
     return rows, fetch.gather(-1, order)
 
 
+def select_by_mass(
+    scores: torch.Tensor, mass: float, cap: list[int], resident: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fewest tokens per KV head whose speculated attention mass reaches ``mass``.
+
+    scores (b, h, g, n) approximate logits of the newest query, -inf where a token must not be
+    fetched; the group's softmax weights are averaged over its g query heads (what the KV head
+    serves). ``cap`` (one int per sequence, known on the host) caps its count; ``mass`` >= 1
+    takes the cap. ``resident`` (b, h, n), or (n,) for every row, marks tokens always taken
+    (they come first; their mass counts). Returns ``(rows, fetch)``, both (b, h, k), k the
+    largest count in the batch, sorted by slot; ``fetch`` is False past a head's own count.
+    """
+    probs = scores.softmax(-1).mean(2).nan_to_num(0.0)  # (b, h, n); a row with nothing to fetch is 0
+    rank = probs if resident is None else probs + 2 * resident  # residents above any weight: first
+    top = rank.topk(min(max(cap), probs.shape[-1]), dim=-1)
+    counts = torch.tensor(cap, device=scores.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
+    k = top.indices.shape[-1]
+    if mass < 1:
+        weights = probs.gather(-1, top.indices)
+        before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
+        counts = torch.minimum((before < mass).sum(-1), counts).clamp(min=1)  # (b, h)
+        k = int(counts.max())  # the one host read: the size of the copy between tiers
+    fetch = (torch.arange(k, device=scores.device) < counts[..., None]) & (top.values[..., :k] > 0)
+    rows, order = top.indices[..., :k].sort(-1)
+    return rows, fetch.gather(-1, order)
+
+
 def skew_matrices(q: torch.Tensor) -> torch.Tensor:
     """Per-head orthogonal A (H, d, d) from the SVD of each head's queries q (n, H, d).
 

@@ -130,7 +130,7 @@ def fractions_from_bench(rows: list[dict], context: int) -> dict[str, tuple[floa
     full = next((r for r in cells if r["policy"] == "full"), None)
     for r in cells:
         if r["policy"] == "infinigen" and "fetched_fraction" in r and "infinigen" not in found:
-            found["infinigen"] = (r["fetched_fraction"], f"bench, context {nearest}, alpha {r.get('alpha')}")
+            found["infinigen"] = (r["fetched_fraction"], f"bench, context {nearest}, {r.get('label', 'infinigen')}")
         if r["policy"] == "h2o" and full and "h2o" not in found:
             found["h2o"] = (r["kv_bytes"] / full["kv_bytes"], f"bench, context {nearest}, budget {r.get('budget')}")
     return found

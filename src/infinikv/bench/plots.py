@@ -8,7 +8,10 @@ LABEL_PARAMS = ("update_rule", "bits", "alpha")  # the parameters that tell two 
 
 
 def label(row: dict) -> str:
-    """A policy's name with the parameters that distinguish it, e.g. ``quant bits=4``."""
+    """A policy's name with the parameters that distinguish it, e.g. ``quant bits=4`` (the row's own
+    label when it has one: the options given by hand)."""
+    if row.get("label"):
+        return row["label"]
     extra = " ".join(
         f"{k}={row[k]:g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in LABEL_PARAMS if k in row
     )

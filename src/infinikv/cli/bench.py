@@ -121,13 +121,13 @@ def cmd_speed(args: argparse.Namespace) -> int:
             f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
             f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
         )
-    print("\nwhere a decode step goes (mean ms): speculate / fetch not hidden by overlap / attend / rest")
+    print("\nwhere a decode step goes (mean ms): speculate / fetch (not overlapped) / attend / rest, speculate %")
     for r in rows:
         p = r["profile_ms"]
         if p:
             print(
                 f"{r['context']:>8} {run_label(r):<36} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
-                f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f}"
+                f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f} {p.get('speculate', 0) / sum(p.values()):>7.1%}"
             )
     for context in sorted({r["context"] for r in rows}):
         bandwidth = next(r["bandwidth_bytes_per_second"] for r in rows if r["context"] == context)

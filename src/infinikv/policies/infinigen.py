@@ -25,6 +25,7 @@ from ..speculation import (
     pair_scores,
     pairs_to_columns,
     partial_query,
+    select_by_mass,
     select_tokens,
     skew_matrices,
     speculative_scores,
@@ -36,6 +37,12 @@ from .offload import slow_tier
 
 PREP_FILE = "infinikv-infinigen.json"
 DEFAULT_CALIBRATION = "austen:persuasion"
+CALIBRATION_TOKENS = 4096
+PREP_VERSION = 2  # 2: the coverage curves of the mass rule
+# the speculated masses whose true coverage calibration measures, per layer
+MASS_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0)
+PARTIAL_RATIO, MAX_FETCH, KEEP_FIRST, KEEP_RECENT, COVERAGE = 0.3, 0.2, 4, 32, 0.92
+CURVE_QUERIES = 128  # decode positions per layer the curves average over
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -74,15 +81,19 @@ def attention_inputs(
 
 @torch.inference_mode()
 def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[str, Any]:
-    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry.
+    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry, and
+    measure each layer's coverage curve for the mass rule (``coverage_curve``).
 
     Runs ``ids`` (1, n) through the model once and uses every layer's post-RoPE queries and
-    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...}``.
+    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...,
+    "coverage"/"fetched": [layer][one per MASS_GRID]}`` (layer 0, with no layer before it,
+    speculates from its own input).
     """
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    pair_ranking, column_ranking = [], []
+    prep: dict[str, Any] = {"pair_ranking": [], "column_ranking": [], "coverage": [], "fetched": []}
     modules = attention_modules(model)
+    rotary, previous = is_rotary(model), None
     for index, (x, rope) in sorted(attention_inputs(model, ids, progress).items()):
         module = modules[index]
         q = module.q_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
@@ -90,9 +101,71 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = False)
         if rope is not None:
             q, k = apply_rotary_pos_emb(q, k, *rope)
         q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (n, H, d), (n, h, d)
-        pair_ranking.append(pair_scores(q, k).argsort(-1, descending=True).tolist())
-        column_ranking.append(column_scores(q, k).argsort(-1, descending=True).tolist())
-    return {"pair_ranking": pair_ranking, "column_ranking": column_ranking, "tokens": int(ids.shape[1])}
+        prep["pair_ranking"].append(pair_scores(q, k).argsort(-1, descending=True).tolist())
+        prep["column_ranking"].append(column_scores(q, k).argsort(-1, descending=True).tolist())
+        columns = kept_columns(prep, index, rotary, PARTIAL_RATIO, module.head_dim)
+        coverage, fetched = coverage_curve(module, x if previous is None else previous, rope, q, k, columns)
+        prep["coverage"].append(coverage)
+        prep["fetched"].append(fetched)
+        previous = x
+    fit = {"partial_ratio": PARTIAL_RATIO, "max_fetch": MAX_FETCH, "keep_first": KEEP_FIRST, "keep_recent": KEEP_RECENT}
+    return {**prep, "mass_grid": list(MASS_GRID), "fit": fit, "tokens": int(ids.shape[1])}
+
+
+def coverage_curve(
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    rope: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    columns: torch.Tensor,
+) -> tuple[list[float], list[float]]:
+    """How much true attention mass the mass rule covers, and what share it fetches, at each
+    speculated mass of ``MASS_GRID``, as a decode step would see it: speculation from the
+    previous layer's attention input x (1, n, D) with this layer's partial weights, against the
+    true attention of this layer's queries q (n, H, d) over its keys k (n, h, d), post-RoPE, at
+    ``CURVE_QUERIES`` positions of the second half. The current token (always attended) counts.
+    """
+    n, h = k.shape[0], k.shape[1]
+    at = torch.linspace(n // 2, n - 1, min(CURVE_QUERIES, n - n // 2), device=q.device).long().unique()  # (T,)
+    positions = torch.arange(n, device=q.device)
+    stored = positions[None, :] < at[:, None]  # (T, n): the tokens a step at ``at`` may fetch
+    logits = torch.einsum("thgd,nhd->thgn", q[at].view(len(at), h, -1, q.shape[-1]), k) * module.scaling
+    truth = logits.masked_fill(positions > at[:, None, None, None], -math.inf).softmax(-1).mean(2)  # (T, h, n)
+    current = truth.gather(-1, at[:, None, None].expand(-1, h, 1))[..., 0]  # (T, h)
+    weight, bias = partial_weights(module, columns)
+    cos = sin = None
+    if rope is not None:
+        cos, sin = (r[0, at][:, columns][:, None] for r in rope)  # (T, 1, h, c)
+    pq = partial_query(x[0, at][:, None], weight, bias, cos, sin)  # (T, h, g, 1, c)
+    partial = k.gather(-1, columns[None].expand(n, -1, -1)).transpose(0, 1)  # (h, n, c)
+    scores = speculative_scores(pq, partial[None], module.scaling)[:, :, :, 0]  # (T, h, g, n)
+    scores = scores.masked_fill(~stored[:, None, None], -math.inf)
+    cap = (at * MAX_FETCH).ceil().long().clamp(min=1).tolist()
+    resident = stored & ((positions < KEEP_FIRST) | (positions >= at[:, None] - KEEP_RECENT))
+    coverage, fetched = [], []
+    for mass in MASS_GRID:
+        rows, fetch = select_by_mass(scores, mass, cap, resident[:, None].expand(-1, h, -1))
+        coverage.append(round(float(((truth.gather(-1, rows) * fetch).sum(-1) + current).mean()), 4))
+        fetched.append(round(float((fetch.sum(-1) / at[:, None]).mean()), 4))
+    return coverage, fetched
+
+
+def chosen_mass(prep: dict[str, Any], layer: int, target: float) -> float:
+    """The smallest speculated mass whose calibrated coverage reaches ``target`` (1: the cap)."""
+    curve = prep["coverage"][layer]
+    return next((m for m, c in zip(prep["mass_grid"], curve, strict=True) if c >= target), 1.0)
+
+
+def calibration_table(prep: dict[str, Any], target: float, dense: int) -> str:
+    """Per sparse layer: the mass chosen for ``target`` and what it covered and fetched in calibration."""
+    lines = [f"{'layer':>5} {'mass':>6} {'coverage':>9} {'fetched':>8}"]
+    for layer in range(dense, len(prep["coverage"])):
+        mass = chosen_mass(prep, layer, target)
+        at = prep["mass_grid"].index(mass)
+        coverage, fetched = prep["coverage"][layer][at], prep["fetched"][layer][at]
+        lines.append(f"{layer:>5} {mass:>6.2f} {coverage:>9.3f} {fetched:>7.1%}")
+    return "\n".join(lines)
 
 
 @torch.inference_mode()
@@ -131,7 +204,11 @@ def prep_path(model: torch.nn.Module) -> Path:
 
 
 def prepare(
-    model: torch.nn.Module, tokenizer, calibration: str = DEFAULT_CALIBRATION, tokens: int = 2048, progress: bool = True
+    model: torch.nn.Module,
+    tokenizer,
+    calibration: str = DEFAULT_CALIBRATION,
+    tokens: int = CALIBRATION_TOKENS,
+    progress: bool = True,
 ) -> Path:
     """Calibrate on ``tokens`` tokens of a text and save the result next to the model."""
     from ..data import load_text
@@ -139,7 +216,7 @@ def prepare(
     path = prep_path(model)
     ids = tokenizer(load_text(calibration, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
     prep = calibrate(model, ids[:, :tokens].to(next(model.parameters()).device), progress)
-    prep["calibration"] = calibration
+    prep["calibration"], prep["version"] = calibration, PREP_VERSION
     path.write_text(json.dumps(prep))
     return path
 
@@ -167,7 +244,11 @@ def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[tor
 class Speculation(Fetcher):
     """One layer ahead, guesses the rows each KV head of this layer will attend to: the previous
     layer's attention input times this layer's partial query weights, against the partial keys
-    (the kept columns of every stored key, a per-slot state on the fast tier)."""
+    (the kept columns of every stored key, a per-slot state on the fast tier). The tokens are
+    chosen by one of two rules: the mass rule (``mass``: the fewest tokens whose speculated
+    softmax mass reaches it, per KV head, plus the ``keep`` resident tokens) or the paper's
+    threshold (``alpha``: logits within alpha of the maximum). ``ahead=False`` (layer 0, which
+    no layer precedes, and the oracle) speculates at the layer itself, from its own input."""
 
     def __init__(
         self,
@@ -175,15 +256,15 @@ class Speculation(Fetcher):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         rotary: bool,
-        alpha: float,
-        max_fetch: float,
+        rule: dict[str, float],
         scaling: float,
         overlap: bool,
         pooled: bool,
+        ahead: bool = True,
     ) -> None:
         super().__init__(overlap)
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
-        self.alpha, self.max_fetch, self.scaling, self.pooled = alpha, max_fetch, scaling, pooled
+        self.rule, self.scaling, self.pooled, self.ahead = rule, scaling, pooled, ahead
         self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False)}
         if pooled:  # what the bounded pool's eviction rules read
             history = StateSpec(torch.float32, with_kv=False)  # read with the speculation, on the fast tier
@@ -208,7 +289,7 @@ class Speculation(Fetcher):
     def choose(
         self, layer: KVLayer, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, stored: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = layer.slots
+        slots, rule = layer.slots, self.rule
         if self.rotary:
             cos, sin = cos[:, :, self.columns], sin[:, :, self.columns]  # (b, q, h, c)
         else:
@@ -217,15 +298,34 @@ class Speculation(Fetcher):
         partial = slots.state["partial"][:, :, :stored]
         scores = speculative_scores(pq, partial, self.scaling)[:, :, :, -1]
         held = layer.held_before if layer.pending else slots.held
+        valid = slots.state["valid"][:, :, :stored]
+        ordered = not self.pooled and all(h == stored for h in held)  # slot i holds token i
         if any(h < stored for h in held):  # padding or evicted slots must not be fetched
-            scores = scores.masked_fill(~slots.state["valid"][:, :, None, :stored], -math.inf)
-        cap = torch.tensor([max(1, math.ceil(self.max_fetch * h)) for h in held], device=scores.device)
-        rows, fetch = select_tokens(scores, self.alpha, cap)
+            scores = scores.masked_fill(~valid[:, :, None], -math.inf)
+        cap = [max(1, math.ceil(rule["max_fetch"] * h)) for h in held]
+        if "alpha" in rule:
+            rows, fetch = select_tokens(scores, rule["alpha"], torch.tensor(cap, device=scores.device))
+        else:
+            rows, fetch = select_by_mass(scores, rule["mass"], cap, self.resident(slots, valid, stored, ordered))
         if self.pooled:  # the bounded pool's eviction needs the fetch history
             self.steps += 1
             slots.state["fetches"].scatter_add_(2, rows, fetch.float())
             slots.state["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
         return rows, fetch
+
+    def resident(self, slots: Slots, valid: torch.Tensor, stored: int, ordered: bool) -> torch.Tensor | None:
+        """The first ``keep_first`` and the newest ``keep_recent`` tokens held: (stored,) when the
+        slots hold every token in order (``ordered``), else (b, h, stored) from their positions.
+        Nearly every step attends to them, so they are always fetched."""
+        first, recent = int(self.rule.get("keep_first", 0)), int(self.rule.get("keep_recent", 0))
+        if not first and not recent:
+            return None
+        if ordered:
+            slot = torch.arange(stored, device=valid.device)
+            return (slot < first) | (slot >= stored - recent)
+        position = slots.state["position"][:, :, :stored]
+        newest = position.masked_fill(~valid, -1).amax(-1, keepdim=True)
+        return valid & ((position < first) | (position > newest - recent))
 
 
 class PoolRule(Rule):
@@ -263,6 +363,7 @@ class Oldest(PoolRule):
 
 
 POOL_RULES = {rule.name: rule for rule in (Counter, LeastRecent, Oldest)}
+RULE_OPTIONS = {"alpha": ("alpha",), "mass": ("coverage", "mass", "keep_first", "keep_recent")}  # by --select
 
 
 @register
@@ -277,18 +378,67 @@ class InfiniGen(Policy):
     takes_budget = False
     needs_preparation = True
     options = (
-        Option("alpha", float, 4.0, "fetch tokens with logit > max - alpha, >= 0 (inf: all)", lambda a: a >= 0),
+        Option(
+            "select",
+            str,
+            "mass",
+            "how speculation picks tokens: mass (default), alpha (the paper's threshold) or oracle "
+            "(the true top --max-fetch share of each layer, an upper bound for comparison)",
+            lambda s: s in ("mass", "alpha", "oracle"),
+        ),
+        Option(
+            "coverage",
+            float,
+            COVERAGE,
+            "with --select mass: the share of true attention mass each layer should cover; the mass "
+            "per layer that reaches it is read off the calibration, in (0, 1)",
+            lambda c: 0 < c < 1,
+        ),
+        Option(
+            "mass",
+            float,
+            0.0,
+            "with --select mass: one speculated mass for every layer instead, in (0, 1] (1: the cap)",
+            lambda m: 0 <= m <= 1,
+        ),
+        Option(
+            "alpha", float, 4.0, "with --select alpha: fetch tokens with logit > max - alpha, >= 0", lambda a: a >= 0
+        ),
+        Option(
+            "keep_first",
+            int,
+            KEEP_FIRST,
+            "with --select mass: first tokens always fetched (attention sinks), >= 0",
+            lambda n: n >= 0,
+        ),
+        Option(
+            "keep_recent",
+            int,
+            KEEP_RECENT,
+            "with --select mass: newest tokens always fetched, >= 0",
+            lambda n: n >= 0,
+        ),
         Option(
             "partial_ratio",
             float,
-            0.3,
+            PARTIAL_RATIO,
             "share of each head's dims in the partial weights, in (0, 1]",
             lambda r: 0 < r <= 1,
         ),
         Option(
-            "max_fetch", float, 0.2, "cap on tokens fetched, as a share of tokens seen, in (0, 1]", lambda r: 0 < r <= 1
+            "max_fetch",
+            float,
+            MAX_FETCH,
+            "cap on tokens fetched, as a share of tokens seen, in (0, 1]",
+            lambda r: 0 < r <= 1,
         ),
-        Option("dense_layers", int, 2, "first layers that always use their full cache, >= 0", lambda n: n >= 0),
+        Option(
+            "dense_layers",
+            int,
+            0,
+            "first layers that always use their full cache, >= 0 (at 0, layer 0 speculates from its own input)",
+            lambda n: n >= 0,
+        ),
         Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),
         Option(
             "pool_capacity",
@@ -308,6 +458,13 @@ class InfiniGen(Policy):
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
         super().__init__(budget, capacity, **params)
+        select = self.params["select"]
+        for rule, names in RULE_OPTIONS.items():
+            stray = [name for name in names if name in self.given and rule != select]
+            if stray:
+                raise InfinikvError(f"--{stray[0].replace('_', '-')} applies to --select {rule}, not {select}")
+        if "coverage" in self.given and "mass" in self.given:
+            raise InfinikvError("give --coverage (a mass per layer from the calibration) or --mass, not both")
         if self.params["eviction"] and not self.params["pool_capacity"]:
             raise InfinikvError("--eviction needs --pool-capacity (the pool is unbounded otherwise)")
         pool = self.params["pool_capacity"]
@@ -324,20 +481,43 @@ class InfiniGen(Policy):
         tokens: int | None = None,
         force: bool = False,
     ) -> str | None:
-        """Load the model's saved calibration, or calibrate (default: ``DEFAULT_CALIBRATION``, 2,048
-        tokens) and save it next to the model."""
+        """Load the model's saved calibration, or calibrate (default: ``DEFAULT_CALIBRATION``,
+        ``CALIBRATION_TOKENS`` tokens) and save it next to the model; a calibration saved by an
+        older version (without coverage curves) is redone."""
         if self.prep is not None and self.prepared_for == model.name_or_path and not force:
             return None
         path, did = prep_path(model), None
-        if force or not path.is_file():
+        if force or not path.is_file() or json.loads(path.read_text()).get("version") != PREP_VERSION:
             text = calibration or DEFAULT_CALIBRATION
-            prepare(model, tokenizer, text, tokens or 2048, progress=progress)
+            prepare(model, tokenizer, text, tokens or CALIBRATION_TOKENS, progress=progress)
             did = f"infinigen: calibrated {model.name_or_path} on {text}, saved to {path}"
         self.prep, self.prepared_for = json.loads(path.read_text()), model.name_or_path
+        if did and self.params["select"] == "mass" and not self.params["mass"]:
+            target = self.params["coverage"]
+            dense = self.params["dense_layers"]
+            did += f"\nper layer, the mass for {target:.0%} coverage on the calibration text:\n"
+            did += calibration_table(self.prep, target, dense)
         return did
 
     def prepared_on(self) -> str | None:
         return None if self.prep is None else self.prep.get("calibration")
+
+    def rule(self, index: int) -> dict[str, float]:
+        """How layer ``index`` picks its tokens (see ``Speculation``)."""
+        params, rule = self.params, {"max_fetch": self.params["max_fetch"]}
+        if params["select"] == "alpha":
+            return rule | {"alpha": params["alpha"]}
+        if params["select"] == "oracle":
+            return rule | {"mass": 1.0}
+        mass = params["mass"] or chosen_mass(self.prep, index, params["coverage"])
+        return rule | {"mass": mass, "keep_first": params["keep_first"], "keep_recent": params["keep_recent"]}
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        if self.prep is not None and self.params["select"] == "mass" and not self.params["mass"]:
+            first = self.params["dense_layers"]
+            out["mass_per_layer"] = [self.rule(i)["mass"] for i in range(first, len(self.prep["coverage"]))]
+        return out
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
         if self.prep is None:
@@ -355,8 +535,10 @@ class InfiniGen(Policy):
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         module = self.modules[index]
-        columns = kept_columns(self.prep, index, self.rotary, self.params["partial_ratio"], head_dim)
-        columns = columns.to(module.q_proj.weight.device)
+        oracle = self.params["select"] == "oracle"  # every column of the layer's own query and keys
+        ahead = not oracle and index > 0  # layer 0 has no layer before it: it speculates from its own input
+        ratio = 1.0 if oracle else self.params["partial_ratio"]
+        columns = kept_columns(self.prep, index, self.rotary, ratio, head_dim).to(module.q_proj.weight.device)
         weight, bias = partial_weights(module, columns)
         pooled = self.pool is not None
         speculation = Speculation(
@@ -364,11 +546,11 @@ class InfiniGen(Policy):
             weight,
             bias,
             self.rotary,
-            self.params["alpha"],
-            self.params["max_fetch"],
+            self.rule(index),
             module.scaling,
             not self.params["no_overlap"],
             pooled,
+            ahead,
         )
         rule = POOL_RULES[self.params["eviction"] or "counter"]() if pooled else None
         return KVLayer(Slots(home=slow_tier(model)), rule, self.pool, fetcher=speculation)

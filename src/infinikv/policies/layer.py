@@ -73,6 +73,7 @@ class Fetcher:
     """Chooses the slow-tier rows a decode step attends to; the layer moves them to the fast tier."""
 
     specs: dict[str, StateSpec] = {}
+    ahead = True  # chooses from the previous layer's input (False: from the layer's own, no overlap)
 
     def __init__(self, overlap: bool = True) -> None:
         self.overlap = overlap
@@ -293,7 +294,7 @@ class KVLayer(CacheLayerMixin):
                 self.start_fetch(None, self.stored, overlap=False)
             started = self.clock.start()
             self.transfer.wait()
-            self.clock.stop("fetch", started)  # what the overlap did not hide
+            self.clock.stop("fetch", started)  # what an overlap did not hide
         where = self.slots.write(plan.write, key_states, value_states, self.positions, self.new_real)
         if key_states.shape[2] > 1:
             self.where = where
@@ -415,11 +416,13 @@ class KVLayer(CacheLayerMixin):
         started = self.clock.start()
         cos, sin = rope if rope is not None else (None, None)
         chosen = self.fetcher.choose(self, x, cos, sin, stored)
+        self.clock.stop("speculate", started)
+        started = self.clock.start()  # the copy, when it is not overlapped, counts as fetching
         if chosen is None:
             self.start_fetch(None, stored, self.fetcher.overlap)
         else:
             self.start_fetch(*chosen, overlap=self.fetcher.overlap)
-        self.clock.stop("speculate", started)
+        self.clock.stop("fetch", started)
 
     def start_fetch(self, rows: torch.Tensor | None, take: torch.Tensor | int | None, overlap: bool) -> None:
         """Copy ``rows`` (b, h, k) (None: the first ``take`` slots) to the fast tier and log it.
@@ -516,11 +519,16 @@ class KVCache(Cache):
         position_ids: torch.Tensor | None,
     ) -> None:
         """Layer ``layer_idx``'s attention is about to run on ``x``: plan it if the core did not,
-        and let the next layer start fetching."""
+        and let the layer that speculates from this input (the next one, or this one when it has
+        no layer ahead of it) choose and fetch its rows."""
+        layer = self.layers[layer_idx]
         if not self.stepping:
-            self.layers[layer_idx].begin_from_mask(x.shape[0], x.shape[1], attention_mask, position_ids, x.device)
-        if layer_idx + 1 < len(self.layers):
-            self.layers[layer_idx + 1].speculate(x, rope)
+            layer.begin_from_mask(x.shape[0], x.shape[1], attention_mask, position_ids, x.device)
+        if layer.fetcher is not None and not layer.fetcher.ahead:
+            layer.speculate(x, rope)
+        following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
+        if following is not None and following.fetcher is not None and following.fetcher.ahead:
+            following.speculate(x, rope)
 
     # -- what it did -------------------------------------------------------------------------
     def held_bytes(self) -> int:
