@@ -299,9 +299,10 @@ class Speculation(Fetcher):
         scores = speculative_scores(pq, partial, self.scaling)[:, :, :, -1]
         held = layer.held_before if layer.pending else slots.held
         valid = slots.state["valid"][:, :, :stored]
-        ordered = not self.pooled and all(h == stored for h in held)  # slot i holds token i
-        if any(h < stored for h in held):  # padding or evicted slots must not be fetched
+        every_slot = all(h == stored for h in held)
+        if not every_slot:  # padding or evicted slots must not be fetched
             scores = scores.masked_fill(~valid[:, :, None], -math.inf)
+        ordered = every_slot and not self.pooled  # slot i holds token i
         cap = [max(1, math.ceil(rule["max_fetch"] * h)) for h in held]
         if "alpha" in rule:
             rows, fetch = select_tokens(scores, rule["alpha"], torch.tensor(cap, device=scores.device))
