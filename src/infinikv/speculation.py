@@ -43,23 +43,43 @@ def pairs_to_columns(pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def partial_query(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The kept columns of each query head, from the partial query weight.
 
     x (b, q, D) the attention input; weight (h, g, c, D) the kept rows of W_q; bias (h, g, c) or
     None; cos/sin (b, q, h, c) at the kept columns (RoPE models, columns laid out as whole pairs
-    [first halves | second halves]) or None. Returns (b, h, g, q, c).
+    [first halves | second halves]) or None; ``norm`` the arguments of ``normalize_partial``
+    after pq for a QK-norm model, or None. Returns (b, h, g, q, c).
     """
     pq = torch.einsum("bqD,hgcD->bhgqc", x, weight)
     if bias is not None:
         pq = pq + bias[None, :, :, None, :]
+    if norm is not None:
+        pq = normalize_partial(pq, *norm)
     if cos is None:
         return pq
     first, second = pq.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)  # rotate_half on the kept pairs
     cos, sin = cos.permute(0, 2, 1, 3)[:, :, None], sin.permute(0, 2, 1, 3)[:, :, None]
     return pq * cos + rotated * sin
+
+
+def normalize_partial(pq: torch.Tensor, gain: torch.Tensor, ratio: torch.Tensor, eps: float) -> torch.Tensor:
+    """The partial query of a model that RMS-normalizes each query head (QK-norm, Gemma 3).
+
+    The norm divides a head by the RMS of all its d columns, which the kept c columns do not
+    give; it is estimated as their own mean square times ``ratio`` (h, g), the calibrated ratio
+    of the full to the kept mean square. pq (b, h, g, q, c) before RoPE; gain (h, c) the norm's
+    per-column scale at the kept columns. Returns (b, h, g, q, c).
+    """
+    square = pq.pow(2).mean(-1, keepdim=True) * ratio[None, :, :, None, None]
+    return pq * torch.rsqrt(square + eps) * gain[None, :, None, None, :]
 
 
 def speculative_scores(pq: torch.Tensor, partial_keys: torch.Tensor, scaling: float) -> torch.Tensor:

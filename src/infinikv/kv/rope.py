@@ -16,13 +16,20 @@ from __future__ import annotations
 import torch
 
 
-def rotary_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
-    """The RoPE frequencies ``(d/2,)`` of ``model``, or None when it has no full-width RoPE."""
+def rotary_inv_freq(model: torch.nn.Module, layer: int = 0) -> torch.Tensor | None:
+    """The RoPE frequencies ``(d/2,)`` of ``model``'s layer ``layer``, or None when it has no
+    full-width RoPE. A model with a RoPE per layer type (Gemma 3: local and global bases) keeps
+    them as ``{type}_inv_freq`` on its rotary module."""
     config = getattr(model, "config", None)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    types = getattr(config, "layer_types", None)
     for module in model.modules():
+        if not module.__class__.__name__.endswith("RotaryEmbedding"):
+            continue
         inv_freq = getattr(module, "inv_freq", None)
-        if module.__class__.__name__.endswith("RotaryEmbedding") and isinstance(inv_freq, torch.Tensor):
+        if inv_freq is None and types is not None:
+            inv_freq = getattr(module, f"{types[layer]}_inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
             return inv_freq if 2 * inv_freq.numel() == head_dim else None
     return None
 

@@ -153,6 +153,21 @@ def model_shape(config: Any) -> tuple[int, int, int]:
     return config.num_hidden_layers, n_kv, head_dim
 
 
+def sliding_window(config: Any, index: int) -> int | None:
+    """The tokens a query of layer ``index`` sees (itself included) when the model bounds that
+    layer's attention to a sliding window (Gemma 3's local layers, Mistral), else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and types[index] != "sliding_attention"):
+        return None
+    return window
+
+
+def windows(config: Any) -> list[int | None]:
+    """``sliding_window`` of every layer."""
+    return [sliding_window(config, i) for i in range(config.num_hidden_layers)]
+
+
 def bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
     """K and V bytes one token takes in one layer of a model with ``config``."""
     _, n_kv, head_dim = model_shape(config)
@@ -204,14 +219,13 @@ class Policy(ABC):
         step for ``torch.compile`` (``compilable`` policies); ``max_length``, the tokens a sequence
         will see, sizes the static storage of a policy that keeps every token (``full``)."""
         from .layer import KVCache
+        from .window import window_layer
 
-        if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
-            raise InfinikvError(
-                f"{model.config.model_type} has sliding-window attention layers, which infinikv's caches do not "
-                "support yet; use a model without them (e.g. smollm2-135m, qwen2.5-coder-0.5b)"
-            )
         size = self.static_size(model, max_length) if static else None
-        layers = [self.layer(i, model, size) for i in range(model.config.num_hidden_layers)]
+        layers = [
+            self.layer(i, model, size) if window is None else window_layer(window, static)
+            for i, window in enumerate(windows(model.config))
+        ]
         return KVCache(layers, self.describe(), self.label())
 
     def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:
@@ -227,10 +241,17 @@ class Policy(ABC):
             return total
         return min(total, max(prompt_tokens, self.budget.capacity(total) + 1))
 
+    def token_bytes(self, config: Any) -> int:
+        """K/V bytes one token takes in one of the layers this policy manages."""
+        return bytes_per_token(config)
+
     def worst_case_bytes(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        """K/V bytes a request can hold at most (what a server's admission reserves)."""
-        per_token = config.num_hidden_layers * bytes_per_token(config)
-        return self.worst_case_tokens(config, prompt_tokens, max_new_tokens) * per_token
+        """K/V bytes a request can hold at most (what a server's admission reserves): the policy's
+        layers, plus each sliding-window layer's window (see ``window``)."""
+        total, spans = prompt_tokens + max_new_tokens, windows(config)
+        managed = sum(w is None for w in spans) * self.token_bytes(config)
+        bounded = sum(min(total, max(prompt_tokens, w)) for w in spans if w is not None) * bytes_per_token(config)
+        return self.worst_case_tokens(config, prompt_tokens, max_new_tokens) * managed + bounded
 
     def prepare(
         self,

@@ -17,7 +17,7 @@ from ..kv.rope import Renumbering, rotary_inv_freq
 from ..kv.slots import Slots
 from ..sizes import parse_bytes
 from . import register
-from .base import RULES, Budget, Evicting, Option, bytes_per_token, rule_options
+from .base import RULES, Budget, Evicting, Option, bytes_per_token, rule_options, windows
 from .layer import KVLayer
 
 DEFAULT_RULE = "heavy-hitter"
@@ -70,13 +70,19 @@ class BoundedCache(Evicting):
         return RULES[self.params["update_rule"]]
 
     def resolve(self, config: Any) -> Budget:
-        """The per-layer token capacity for a model, checked against ``--kv-memory``."""
+        """The per-layer token capacity for a model, checked against ``--kv-memory`` (of which each
+        sliding-window layer takes its window first)."""
         if self.kv_bytes is None:
             return self.budget
-        per_token = config.num_hidden_layers * bytes_per_token(config)
-        fits = self.kv_bytes // per_token - 1  # the storage holds capacity + 1 slots
+        spans = windows(config)
+        per_token = max(1, sum(w is None for w in spans)) * bytes_per_token(config)
+        bounded = sum(w for w in spans if w is not None) * bytes_per_token(config)
+        fits = (self.kv_bytes - bounded) // per_token - 1  # the storage holds capacity + 1 slots
         if fits < 1:
-            raise InfinikvError(f"--kv-memory {self.params['kv_memory']} holds no token: one takes {per_token} bytes")
+            windowed = f" beside the sliding windows' {bounded} bytes" if bounded else ""
+            raise InfinikvError(
+                f"--kv-memory {self.params['kv_memory']} holds no token{windowed}: one takes {per_token} bytes"
+            )
         if self.budget is None:
             return Budget(tokens=fits)
         if self.budget.tokens > fits:
@@ -89,18 +95,18 @@ class BoundedCache(Evicting):
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False):
         self.resolved = self.resolve(model.config)
-        inv_freq = rotary_inv_freq(model) if self.params["positions"] != "original" else None
+        managed = [i for i, w in enumerate(windows(model.config)) if w is None]
+        inv_freq = rotary_inv_freq(model, managed[0]) if managed and self.params["positions"] != "original" else None
         if inv_freq is None and self.params["positions"] == "rank":
             raise InfinikvError("bct --positions rank renumbers RoPE keys, and this model has no RoPE")
         self.resolved_positions = "original" if inv_freq is None else self.params["positions"]
         trained = getattr(model.config, "max_position_embeddings", None) or 0
         self.threshold = None if inv_freq is None else trained if self.params["positions"] == "auto" else 0
-        self.inv_freq = inv_freq
         return super().make_cache(model, max_length, static)
 
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         slots = Slots(size=static, static=static is not None)
-        renumbering = None if self.threshold is None else Renumbering(self.inv_freq, self.threshold)
+        renumbering = None if self.threshold is None else Renumbering(rotary_inv_freq(model, index), self.threshold)
         return KVLayer(slots, self.make_rule(self.rule_class), self.resolved, renumbering=renumbering, fixed=True)
 
     def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:

@@ -3,10 +3,14 @@ Language Models with Dynamic KV Cache Management", OSDI 2024). Every token's K/V
 slow tier; one layer ahead, a cheap rehearsal with the previous layer's attention input, a
 partial query weight and a partial key cache guesses which few tokens each KV head will attend
 to, and only those are fetched. Nothing is ever dropped, so a token ignored now can be fetched
-again later. The first ``dense_layers`` layers and the prefill attend to everything.
+again later. The first ``dense_layers`` layers and the prefill attend to everything; a layer
+the model bounds to a sliding window keeps its window (``window``) and neither speculates nor
+fetches.
 
 For RoPE models the partial columns are whole rotary pairs, chosen per KV head offline
-(``infinikv prepare``), so the partial dot product is exact for the kept pairs.
+(``infinikv prepare``), so the partial dot product is exact for the kept pairs. A model with
+QK-norm (Gemma 3) normalizes each query head by the RMS of all its columns: speculation
+estimates it from the kept ones (``normalize_partial``, calibrated per column).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import InfinikvError
+from ..kv.rope import rotary_inv_freq
 from ..kv.slots import Slots, StateSpec, expand_to
 from ..speculation import (
     column_scores,
@@ -31,7 +36,7 @@ from ..speculation import (
     speculative_scores,
 )
 from . import register
-from .base import Budget, Option, Policy, Rule, Scoring
+from .base import Budget, Option, Policy, Rule, Scoring, sliding_window
 from .layer import Fetcher, KVCache, KVLayer
 from .offload import slow_tier
 
@@ -71,12 +76,27 @@ def attention_inputs(
 
     hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
     try:
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         for hook in hooks:
             hook.remove()
         bar.close()
     return captured
+
+
+def queries_and_keys(module: torch.nn.Module, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, ...]:
+    """What ``module`` attends with for its input x (1, n, D): queries (n, H, d) and keys (n, h, d)
+    post-norm and post-RoPE, and the queries' mean square per column before any QK-norm (H, d)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q = module.q_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
+    k = module.k_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
+    square = q[0].pow(2).mean(1)
+    if getattr(module, "q_norm", None) is not None:
+        q, k = module.q_norm(q), module.k_norm(k)
+    if rope is not None:
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1), square
 
 
 @torch.inference_mode()
@@ -87,27 +107,32 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = False)
     Runs ``ids`` (1, n) through the model once and uses every layer's post-RoPE queries and
     keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...,
     "coverage"/"fetched": [layer][one per MASS_GRID]}`` (layer 0, with no layer before it,
-    speculates from its own input).
+    speculates from its own input), and for a QK-norm model ``"query_square"``: [layer][query
+    head][column], the mean square of its queries before the norm. A sliding-window layer, which
+    never speculates, gets None in each list.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     prep: dict[str, Any] = {"pair_ranking": [], "column_ranking": [], "coverage": [], "fetched": []}
     modules = attention_modules(model)
     rotary, previous = is_rotary(model), None
+    normed = any(getattr(m, "q_norm", None) is not None for m in modules.values())
+    if normed:
+        prep["query_square"] = []
     for index, (x, rope) in sorted(attention_inputs(model, ids, progress).items()):
-        module = modules[index]
-        q = module.q_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
-        k = module.k_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rotary_pos_emb(q, k, *rope)
-        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (n, H, d), (n, h, d)
+        module, before, previous = modules[index], previous, x
+        if sliding_window(model.config, index) is not None:
+            for name in prep:
+                prep[name].append(None)
+            continue
+        q, k, square = queries_and_keys(module, x, rope)  # (n, H, d), (n, h, d), (H, d)
         prep["pair_ranking"].append(pair_scores(q, k).argsort(-1, descending=True).tolist())
         prep["column_ranking"].append(column_scores(q, k).argsort(-1, descending=True).tolist())
+        if normed:
+            prep["query_square"].append(square.tolist())
         columns = kept_columns(prep, index, rotary, PARTIAL_RATIO, module.head_dim)
-        coverage, fetched = coverage_curve(module, x if previous is None else previous, rope, q, k, columns)
+        norm = query_norm(module, prep, index, columns)
+        coverage, fetched = coverage_curve(module, x if before is None else before, rope, q, k, columns, norm)
         prep["coverage"].append(coverage)
         prep["fetched"].append(fetched)
-        previous = x
     fit = {"partial_ratio": PARTIAL_RATIO, "max_fetch": MAX_FETCH, "keep_first": KEEP_FIRST, "keep_recent": KEEP_RECENT}
     return {**prep, "mass_grid": list(MASS_GRID), "fit": fit, "tokens": int(ids.shape[1])}
 
@@ -119,12 +144,14 @@ def coverage_curve(
     q: torch.Tensor,
     k: torch.Tensor,
     columns: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[list[float], list[float]]:
     """How much true attention mass the mass rule covers, and what share it fetches, at each
     speculated mass of ``MASS_GRID``, as a decode step would see it: speculation from the
     previous layer's attention input x (1, n, D) with this layer's partial weights, against the
     true attention of this layer's queries q (n, H, d) over its keys k (n, h, d), post-RoPE, at
     ``CURVE_QUERIES`` positions of the second half. The current token (always attended) counts.
+    ``norm``: the QK-norm estimate of a partial query (``query_norm``), or None.
     """
     n, h = k.shape[0], k.shape[1]
     at = torch.linspace(n // 2, n - 1, min(CURVE_QUERIES, n - n // 2), device=q.device).long().unique()  # (T,)
@@ -137,7 +164,7 @@ def coverage_curve(
     cos = sin = None
     if rope is not None:
         cos, sin = (r[0, at][:, columns][:, None] for r in rope)  # (T, 1, h, c)
-    pq = partial_query(x[0, at][:, None], weight, bias, cos, sin)  # (T, h, g, 1, c)
+    pq = partial_query(x[0, at][:, None], weight, bias, cos, sin, norm)  # (T, h, g, 1, c)
     partial = k.gather(-1, columns[None].expand(n, -1, -1)).transpose(0, 1)  # (h, n, c)
     scores = speculative_scores(pq, partial[None], module.scaling)[:, :, :, 0]  # (T, h, g, n)
     scores = scores.masked_fill(~stored[:, None, None], -math.inf)
@@ -151,6 +178,23 @@ def coverage_curve(
     return coverage, fetched
 
 
+def query_norm(
+    module: torch.nn.Module, prep: dict[str, Any], layer: int, columns: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """For a QK-norm layer, what ``normalize_partial`` needs at the kept ``columns`` (h, c): the
+    norm's gain (h, c), the full-to-kept mean-square ratio (h, g) and its epsilon; else None."""
+    norm = getattr(module, "q_norm", None)
+    if norm is None:
+        return None
+    eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+    ones = torch.ones(module.head_dim, dtype=module.q_proj.weight.dtype, device=columns.device)
+    gain = (norm(ones) * math.sqrt(1 + eps))[columns]  # an RMS norm of ones is its gain
+    square = torch.tensor(prep["query_square"][layer], device=columns.device)  # (H, d)
+    square = square.view(columns.shape[0], -1, square.shape[-1])  # (h, g, d)
+    kept = square.gather(2, columns[:, None, :].expand(-1, square.shape[1], -1)).mean(-1)
+    return gain, (square.mean(-1) / kept.clamp(min=1e-12)).to(gain.dtype), eps
+
+
 def chosen_mass(prep: dict[str, Any], layer: int, target: float) -> float:
     """The smallest speculated mass whose calibrated coverage reaches ``target`` (1: the cap)."""
     curve = prep["coverage"][layer]
@@ -161,6 +205,8 @@ def calibration_table(prep: dict[str, Any], target: float, dense: int) -> str:
     """Per sparse layer: the mass chosen for ``target`` and what it covered and fetched in calibration."""
     lines = [f"{'layer':>5} {'mass':>6} {'coverage':>9} {'fetched':>8}"]
     for layer in range(dense, len(prep["coverage"])):
+        if prep["coverage"][layer] is None:  # a sliding-window layer
+            continue
         mass = chosen_mass(prep, layer, target)
         at = prep["mass_grid"].index(mass)
         coverage, fetched = prep["coverage"][layer][at], prep["fetched"][layer][at]
@@ -248,7 +294,10 @@ class Speculation(Fetcher):
     chosen by one of two rules: the mass rule (``mass``: the fewest tokens whose speculated
     softmax mass reaches it, per KV head, plus the ``keep`` resident tokens) or the paper's
     threshold (``alpha``: logits within alpha of the maximum). ``ahead=False`` (layer 0, which
-    no layer precedes, and the oracle) speculates at the layer itself, from its own input."""
+    no layer precedes, and the oracle) speculates at the layer itself, from its own input.
+    ``frequencies`` (h, c): the layer's own RoPE frequencies at the kept columns, when the layer it
+    speculates from has another RoPE (Gemma 3's local and global bases), else None (its RoPE serves);
+    ``norm``: the QK-norm estimate (``query_norm``) or None."""
 
     def __init__(
         self,
@@ -261,10 +310,13 @@ class Speculation(Fetcher):
         overlap: bool,
         pooled: bool,
         ahead: bool = True,
+        frequencies: torch.Tensor | None = None,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> None:
         super().__init__(overlap)
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
         self.rule, self.scaling, self.pooled, self.ahead = rule, scaling, pooled, ahead
+        self.frequencies, self.norm = frequencies, norm
         self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False)}
         if pooled:  # what the bounded pool's eviction rules read
             history = StateSpec(torch.float32, with_kv=False)  # read with the speculation, on the fast tier
@@ -287,14 +339,10 @@ class Speculation(Fetcher):
                 last.scatter_(2, where, float(self.steps))
 
     def choose(
-        self, layer: KVLayer, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, stored: int
+        self, layer: KVLayer, x: torch.Tensor, rope: Any, positions: torch.Tensor, stored: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         slots, rule = layer.slots, self.rule
-        if self.rotary:
-            cos, sin = cos[:, :, self.columns], sin[:, :, self.columns]  # (b, q, h, c)
-        else:
-            cos = sin = None
-        pq = partial_query(x, self.weight, self.bias, cos, sin)
+        pq = self.query(x, rope, positions)
         partial = slots.state["partial"][:, :, :stored]
         scores = speculative_scores(pq, partial, self.scaling)[:, :, :, -1]
         held = layer.held_before if layer.pending else slots.held
@@ -313,6 +361,17 @@ class Speculation(Fetcher):
             slots.state["fetches"].scatter_add_(2, rows, fetch.float())
             slots.state["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
         return rows, fetch
+
+    def query(self, x: torch.Tensor, rope: Any, positions: torch.Tensor) -> torch.Tensor:
+        """This layer's partial query (b, h, g, q, c) for the attention input x (b, q, D), given the
+        RoPE ``(cos, sin)`` of the layer x fed (or None) and the positions (b, q)."""
+        cos = sin = None
+        if self.frequencies is not None:
+            angles = positions[:, :, None, None].float() * self.frequencies  # (b, q, h, c)
+            cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        elif self.rotary:
+            cos, sin = rope[0][:, :, self.columns], rope[1][:, :, self.columns]  # (b, q, h, c)
+        return partial_query(x, self.weight, self.bias, cos, sin, self.norm)
 
     def resident(self, slots: Slots, valid: torch.Tensor, stored: int, ordered: bool) -> torch.Tensor | None:
         """The first ``keep_first`` and the newest ``keep_recent`` tokens held: (stored,) when the
@@ -517,7 +576,9 @@ class InfiniGen(Policy):
         out = super().describe()
         if self.prep is not None and self.params["select"] == "mass" and not self.params["mass"]:
             first = self.params["dense_layers"]
-            out["mass_per_layer"] = [self.rule(i)["mass"] for i in range(first, len(self.prep["coverage"]))]
+            curves = self.prep["coverage"]  # None for a sliding-window layer, which does not speculate
+            masses = [None if curves[i] is None else self.rule(i)["mass"] for i in range(first, len(curves))]
+            out["mass_per_layer"] = masses
         return out
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
@@ -541,6 +602,11 @@ class InfiniGen(Policy):
         ratio = 1.0 if oracle else self.params["partial_ratio"]
         columns = kept_columns(self.prep, index, self.rotary, ratio, head_dim).to(module.q_proj.weight.device)
         weight, bias = partial_weights(module, columns)
+        frequencies = None
+        if self.rotary and ahead:  # speculating from a layer with another RoPE: this layer's own angles
+            own, theirs = rotary_inv_freq(model, index), rotary_inv_freq(model, index - 1)
+            if own is not None and (theirs is None or not torch.equal(own, theirs)):
+                frequencies = own.to(columns.device)[columns % (head_dim // 2)]
         pooled = self.pool is not None
         speculation = Speculation(
             columns,
@@ -552,6 +618,8 @@ class InfiniGen(Policy):
             not self.params["no_overlap"],
             pooled,
             ahead,
+            frequencies,
+            query_norm(module, self.prep, index, columns),
         )
         rule = POOL_RULES[self.params["eviction"] or "counter"]() if pooled else None
         return KVLayer(Slots(home=slow_tier(model)), rule, self.pool, fetcher=speculation)

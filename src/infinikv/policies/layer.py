@@ -79,10 +79,11 @@ class Fetcher:
         self.overlap = overlap
 
     def choose(
-        self, layer: KVLayer, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, stored: int
+        self, layer: KVLayer, x: torch.Tensor, rope: Any, positions: torch.Tensor, stored: int
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows ``(b, h, k)`` and which of them count (or None: all), from the previous layer's
-        attention input x (b, 1, D); None fetches every one of the ``stored`` slots."""
+        attention input x (b, 1, D), the RoPE ``(cos, sin)`` that layer got (or None) and the
+        positions (b, 1) of the step; None fetches every one of the ``stored`` slots."""
         return None
 
     def store(self, slots: Slots, where: torch.Tensor | slice, key_states: torch.Tensor) -> None:
@@ -133,9 +134,10 @@ class KVLayer(CacheLayerMixin):
     ``fixed``: the storage is allocated once, for the capacity settled before the first chunk
     (``--capacity``, or ``--budget`` times the prompt's real tokens, see ``expect``), plus one
     spare slot so a decode step can attend to its new token before the rule picks its victim.
+    ``window``: the model's own sliding window for this layer (a query sees the newest ``window``
+    positions, itself included), masked inside a chunk (see ``window.window_layer``).
     """
 
-    is_sliding = False
     is_croppable = False  # eviction makes "drop the last n tokens" meaningless
 
     def __init__(
@@ -146,12 +148,13 @@ class KVLayer(CacheLayerMixin):
         fetcher: Fetcher | None = None,
         renumbering: Renumbering | None = None,
         fixed: bool = False,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         if (rule is None) != (budget is None):
             raise ValueError("a rule needs a budget and a budget a rule")
         self.slots, self.rule, self.budget, self.fetcher, self.renumbering = slots, rule, budget, fetcher, renumbering
-        self.fixed = fixed
+        self.fixed, self.window = fixed, window
         for name, spec in {**(rule.state if rule else {}), **(fetcher.specs if fetcher else {})}.items():
             slots.add_state(name, spec)
         if renumbering is not None:
@@ -182,6 +185,10 @@ class KVLayer(CacheLayerMixin):
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
         return self.slots.static
+
+    @property
+    def is_sliding(self) -> bool:  # type: ignore[override]
+        return self.window is not None
 
     # -- the host side -----------------------------------------------------------------------
     def expect(self, tokens: list[int]) -> None:
@@ -252,7 +259,7 @@ class KVLayer(CacheLayerMixin):
         self.plan = Plan(
             write=write,
             masked=slots.static or new_real is not None or any(h < write.length for h in held),
-            fresh=self.stored == 0 and new_real is None and write.contiguous,
+            fresh=self.stored == 0 and new_real is None and write.contiguous and q <= (self.window or q),
             evict=evict,
             on_device=static,
             ranked=ranked,
@@ -272,7 +279,9 @@ class KVLayer(CacheLayerMixin):
         tokens are real comes from the mask transformers built (this reads the device)."""
         new_real = None
         if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
-            row = attention_mask[:, 0, -1, -q:]
+            # a token sees itself unless it is padding (the last row would miss the tokens a
+            # sliding window hides from it)
+            row = attention_mask[:, 0, -q:, -q:].diagonal(dim1=-2, dim2=-1)
             new_real = None if bool(row.all()) else row
         if position_ids is None:
             position_ids = torch.arange(self.cumulative_length, self.cumulative_length + q, device=device)[None]
@@ -364,7 +373,10 @@ class KVLayer(CacheLayerMixin):
         if q == 1:
             return valid[:, :, None] if self.plan.masked else None
         position = self.slots.state["position"][:, heads, :length]
-        visible = valid[:, :, None, :] & (position[:, :, None, :] <= self.positions[:, None, :, None])
+        distance = self.positions[:, None, :, None] - position[:, :, None, :]  # (b, h, q, L)
+        visible = valid[:, :, None, :] & (distance >= 0)
+        if self.window is not None:
+            visible &= distance < self.window
         own = self.where  # a new token always sees itself (a padding query must see something)
         if isinstance(own, slice):
             visible[:, :, :, own] |= torch.eye(q, dtype=torch.bool, device=visible.device)
@@ -407,15 +419,14 @@ class KVLayer(CacheLayerMixin):
         self.rule.evict(slots, victims, take, length)
 
     # -- two tiers ---------------------------------------------------------------------------
-    def speculate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Called as the previous layer's attention starts with its input x (b, q, D): a layer
-        that fetches chooses its rows and starts copying them now."""
+    def speculate(self, x: torch.Tensor, rope: Any, positions: torch.Tensor) -> None:
+        """Called as the previous layer's attention starts with its input x (b, q, D), RoPE and
+        positions (b, q): a layer that fetches chooses its rows and starts copying them now."""
         stored = self.slots.n if not self.pending else self.stored
         if self.fetcher is None or x.shape[1] != 1 or stored == 0:
             return
         started = self.clock.start()
-        cos, sin = rope if rope is not None else (None, None)
-        chosen = self.fetcher.choose(self, x, cos, sin, stored)
+        chosen = self.fetcher.choose(self, x, rope, positions, stored)
         self.clock.stop("speculate", started)
         started = self.clock.start()  # the copy, when it is not overlapped, counts as fetching
         if chosen is None:
@@ -525,10 +536,10 @@ class KVCache(Cache):
         if not self.stepping:
             layer.begin_from_mask(x.shape[0], x.shape[1], attention_mask, position_ids, x.device)
         if layer.fetcher is not None and not layer.fetcher.ahead:
-            layer.speculate(x, rope)
+            layer.speculate(x, rope, layer.positions)
         following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
         if following is not None and following.fetcher is not None and following.fetcher.ahead:
-            following.speculate(x, rope)
+            following.speculate(x, rope, layer.positions)
 
     # -- what it did -------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -617,12 +628,12 @@ class GroupLayer(CacheLayerMixin):
     """Layer ``i`` of several caches whose rows share one forward: each group of rows (a
     contiguous slice of the batch) goes to its own cache layer, attention included."""
 
-    is_sliding = False
     is_compileable = False
 
     def __init__(self, layers: list[KVLayer], slices: list[slice]) -> None:
         super().__init__()
         self.layers, self.slices = layers, slices
+        self.is_sliding = layers[0].is_sliding
         self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.is_initialized = True
 

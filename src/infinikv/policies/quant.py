@@ -8,6 +8,8 @@ past dequantized; the tokens of the current forward attend in full precision, as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..kv.quant import QuantSlots, Scratch
@@ -32,12 +34,11 @@ class Quant(Policy):
         _, _, head_dim = model_shape(model.config)
         return KVLayer(QuantSlots(self.params["bits"], head_dim, model.dtype, self.scratch))
 
-    def worst_case_bytes(self, config, prompt_tokens: int, max_new_tokens: int) -> int:
+    def token_bytes(self, config: Any) -> int:
         """Packed K/V plus one scale and one minimum per group of 64, at the model's precision."""
-        layers, n_kv, head_dim = model_shape(config)
+        _, n_kv, head_dim = model_shape(config)
         full = 4  # bytes per value of an fp32 cache (the size admission plans for)
-        per_token = 2 * n_kv * (head_dim * self.params["bits"] // 8 + 2 * max(1, head_dim // 64) * full)
-        return (prompt_tokens + max_new_tokens) * layers * per_token
+        return 2 * n_kv * (head_dim * self.params["bits"] // 8 + 2 * max(1, head_dim // 64) * full)
 
     def label(self) -> str:
         return self.named(f"{self.name}:{self.params['bits']}bit", ("bits",))
