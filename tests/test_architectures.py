@@ -21,7 +21,7 @@ from transformers import (
 from infinikv import Batch, attach, make_policy, policy_names
 from infinikv.policies import REGISTRY
 from infinikv.policies.base import windows
-from infinikv.policies.infinigen import calibrate, queries_and_keys
+from infinikv.policies.infinigen import calibrate, calibration_table, queries_and_keys
 
 VOCAB, WINDOW = 128, 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4)
@@ -140,7 +140,11 @@ def test_gemma3_speculation_with_every_column_is_the_layers_query():
     model = attach(build("gemma3").eval())
     policy = make_policy("infinigen", partial_ratio=1.0)
     policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
-    speculation = policy.make_cache(model).layers[1].fetcher
+    cache = policy.make_cache(model)
+    assert [layer.fetcher is not None for layer in cache.layers] == [False, True, False, True]
+    assert policy.describe()["mass_per_layer"][::2] == [None, None]  # sliding layers do not speculate
+    assert [int(row.split()[0]) for row in calibration_table(policy.prep, 0.9, 0).splitlines()[1:]] == [1, 3]
+    speculation = cache.layers[1].fetcher
     assert speculation.frequencies is not None and speculation.norm is not None
     x, positions = torch.randn(1, 5, 64), torch.arange(30, 35)[None]
     rope = model.model.rotary_emb(x, positions, "full_attention")

@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from ..core import Batch, Reference
 from ..policies import Policy
-from ..policies.base import model_shape
 
 
 class Triad:
@@ -121,8 +120,6 @@ def bench_speed(
     triad = Triad(device)
     link = host_to_device_bandwidth(device) if device.type == "cuda" else None
     weights = weight_bytes(model)
-    layers, n_kv, head_dim = model_shape(model.config)
-    token_bytes = 2 * n_kv * head_dim * next(model.parameters()).element_size()  # one token, one layer
 
     def sync() -> None:  # CUDA runs asynchronously: time finished work only
         if device.type == "cuda":
@@ -171,9 +168,9 @@ def bench_speed(
                 profile = {phase: round(s * 1000 / steps, 3) for phase, s in cache.clock.seconds.items()}
                 transfer = cache.transfer_summary() or {}
                 attended, held = kv_bytes_attended(cache), cache.held_bytes()
-            else:  # the reference attends to every token
+            else:  # the reference attends to what its layers hold (a sliding layer: its window)
                 profile, transfer = {}, {}
-                attended = held = (length - steps / 2) * layers * token_bytes
+                attended = held = sum(t.nbytes for layer in run.cache.layers for t in (layer.keys, layer.values))
             if profile:
                 profile["rest"] = round(statistics.mean(times[key]) * 1000 - sum(profile.values()), 3)
             moved = transfer.get("bytes_moved_per_step", 0)
