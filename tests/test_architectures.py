@@ -172,3 +172,34 @@ def test_memory_accounting_counts_the_windows():
     assert make_policy("sink", capacity=16).worst_case_bytes(config, 60, 20) < make_policy("full").worst_case_bytes(
         config, 60, 20
     )
+
+
+@torch.inference_mode()
+def test_bct_repositions_gemma3_keys_with_the_global_rope():
+    """A Gemma 3 whose layer 0 is global (RoPE base 1e6; the sliding layers use 1e4): after bct
+    evicts with rank positions, layer 0 (which sees embeddings only) attends as a fresh run over
+    just the kept tokens would, so its keys were rotated with the global layer's own frequencies."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        **SMALL, num_hidden_layers=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+        layer_types=["full_attention", "sliding_attention"], query_pre_attn_scalar=32, max_position_embeddings=512,
+    )  # fmt: skip
+    model = attach(Gemma3ForCausalLM(config).eval())
+    policy = make_policy("bct", capacity=16, update_rule="sink-recent", positions="rank")
+    cache = policy.make_cache(model)
+    ids = torch.randint(0, VOCAB, (1, 61))
+    for step in range(60):
+        model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
+    slots = cache.layers[0].slots
+    valid = slots.state["valid"][0, 0]
+    kept = slots.state["position"][0, 0][valid].sort().values
+    assert kept[-1] == 59 and slots.state["after"].max() > 0  # evictions happened
+    outputs = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: outputs.append(out[0][:, -1]))
+    try:
+        model(input_ids=ids[:, 60:61], cache=cache, use_cache=True)
+        model(input_ids=torch.cat([ids[:, kept], ids[:, 60:61]], dim=1))  # plain positions 0..16
+    finally:
+        hook.remove()
+    repositioned, reference = outputs
+    assert (repositioned - reference).abs().max() < 1e-4 * reference.abs().max()
