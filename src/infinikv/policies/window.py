@@ -10,25 +10,15 @@ Gemma 3 270M, 511 tokens per local layer against the whole context per global on
 
 from __future__ import annotations
 
-import torch
-
 from ..kv.slots import Slots
-from .base import Budget, Rule, Scoring
+from .base import RULES, Budget
 from .layer import KVLayer
-
-
-class Newest(Rule):
-    """Keeps the newest tokens: a sliding window."""
-
-    name = "newest"
-
-    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        return slots.state["position"][:, :, : at.length].float()
 
 
 def window_layer(window: int, static: bool) -> KVLayer:
     """A layer that keeps the ``window - 1`` newest tokens between forwards (the next query is the
-    window's last token) and masks what lies outside a query's window inside a chunk. Its storage
-    is allocated once, ``window`` slots (``static``: attention reads them all, for a compiled step)."""
+    window's last token; sink's rule without sinks) and masks what lies outside a query's window
+    inside a chunk. Its storage is allocated once, ``window`` slots (``static``: attention reads
+    them all, for a compiled step)."""
     slots = Slots(size=window, static=static)
-    return KVLayer(slots, Newest(), Budget(tokens=window - 1), fixed=True, window=window)
+    return KVLayer(slots, RULES["sink-recent"](sinks=0), Budget(tokens=window - 1), fixed=True, window=window)
