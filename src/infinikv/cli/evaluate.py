@@ -9,11 +9,14 @@ from pathlib import Path
 
 from .. import data, models
 from ..errors import InfinikvError
+from ..eval.ruler import TASKS as RULER_TASKS
 from .common import (
     GRID_JSON,
     add_policy_arguments,
     add_run_arguments,
+    append_row,
     budget_label,
+    counts,
     grid,
     needle_table,
     ppl_table,
@@ -64,6 +67,70 @@ def cmd_needle(args: argparse.Namespace) -> int:
         {"text": args.text},
     )
     print(json.dumps(rows, indent=2) if args.json else needle_table(rows))
+    return 0
+
+
+def cmd_ruler(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..engine import end_of_sequence_ids
+    from ..eval import ruler
+    from ..eval.ruler_run import cell_key, finished_cells, heatmap, run_cell, summary
+
+    policies = grid(args)
+    tasks = ruler.task_names(args.tasks)
+    lengths = sorted(set(counts(args.lengths, "--lengths")))
+    if args.samples < 1 or args.batch_size < 1:
+        raise InfinikvError("--samples and --batch-size must be at least 1")
+    needs_text = any(ruler.TASKS[t].haystack == "text" for t in tasks)
+    text = data.load_text(args.text, from_chapter_one=True) if needs_text else None
+    model, tokenizer = models.load_model(args.model)
+    trained = getattr(model.config, "max_position_embeddings", None)
+
+    def samples(task: str, length: int) -> list[ruler.Sample]:
+        return ruler.generate(task, tokenizer, text, length, args.samples, args.seed, max_context=trained)
+
+    for task in tasks:  # every task must fit every length before any cell runs
+        for length in lengths:
+            ruler.generate(task, tokenizer, text, length, 1, args.seed, max_context=trained)
+    prepare(policies, model, tokenizer, args.text if needs_text else None, not args.quiet)
+    out = results_file(args, "ruler")
+    done = finished_cells(out)
+    extra = {"model": args.model, "seed": args.seed, "text": args.text}
+    cells = [(n, t, p) for n in lengths for t in tasks for p in policies]
+
+    def key(length: int, task: str, policy) -> tuple:
+        return cell_key({**extra, "spec": policy.spec(), "task": task, "length": length, "samples": args.samples})
+
+    todo = [c for c in cells if key(*c) not in done]
+    print(
+        f"RULER: {len(tasks)} tasks x {len(lengths)} lengths x {len(policies)} policies, {args.samples} samples "
+        f"per cell; {len(cells) - len(todo)} of {len(cells)} cells already in {out}; results -> {out} "
+        f"(give --out {out} again to resume)",
+        file=sys.stderr,
+    )
+    stop_ids = sorted(end_of_sequence_ids(model, tokenizer))
+    rows = []
+    with tqdm(total=len(todo) * args.samples, unit="sample", desc="RULER", disable=args.quiet) as bar:
+        for length in lengths:
+            for task in tasks:
+                prompts = None
+                for policy in policies:
+                    if key(length, task, policy) in done:
+                        rows.append(done[key(length, task, policy)])
+                        continue
+                    prompts = prompts or samples(task, length)
+                    row = {**run_cell(model, tokenizer, prompts, policy, stop_ids, args.batch_size, bar), **extra}
+                    rows.append(row)
+                    append_row(out, row)
+                    bar.write(
+                        f"  done: {task} at {length}: {row['label']} budget={budget_label(row)} "
+                        f"accuracy={100 * row['accuracy']:.1f} ({row['seconds']:.0f} s)",
+                        file=sys.stderr,
+                    )
+    if args.heatmap:
+        print(f"heatmap -> {heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
+    print(json.dumps(rows, indent=2) if args.json else summary(rows))
     return 0
 
 
@@ -161,6 +228,18 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_needle)
+
+    p = ev.add_parser("ruler", help="RULER's synthetic long-context tasks (needles, variable tracking, word counts)")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--lengths", default="4096", help="comma-separated prompt lengths in tokens (default 4096)")
+    p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all ({', '.join(RULER_TASKS)})")
+    p.add_argument("--samples", type=int, default=20, help="samples per task and length (default 20)")
+    p.add_argument("--text", default="austen:emma", help="haystack text of the niah tasks that hide needles in text")
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys, values and word lists")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (default 4)")
+    p.add_argument("--heatmap", help="write a PNG of accuracy by task and policy, one panel per length")
+    add_policy_arguments(p, grid=True)
+    p.set_defaults(func=cmd_ruler)
 
     p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
     add_run_arguments(p, GRID_JSON)

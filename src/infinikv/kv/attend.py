@@ -57,13 +57,16 @@ def weighted(
     visible: torch.Tensor | None,
     bias: torch.Tensor | None,
     scaling: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention that also returns the probability mass each slot received.
 
     Shapes as in ``masked``. Returns the output (b, H, q, d); the probabilities summed over the q
     queries and the g query heads of each KV head (b, h, L); and those of the last query alone,
     summed over the heads (b, h, L). Queries run in blocks, so the (q, L) weights of a long
-    prefill never exist all at once.
+    prefill never exist all at once. ``causal`` (a first chunk: the keys are the queries, in
+    order; ``visible`` unused) masks each block by its own triangle and skips the keys no query
+    of the block sees, instead of a (b, h, q, L) mask: half the work, none of the mask's memory.
     """
     qg = grouped(query, key.shape[1])
     q = qg.shape[3]
@@ -77,16 +80,24 @@ def weighted(
         last = probs.sum(2)
         out = torch.matmul(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (b, h, g, d)
         return out.reshape(query.shape), last, last
+    b, h, g, _, d = qg.shape
     outputs, mass = [], torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
     for start in range(0, q, QUERY_CHUNK):
         block = qg[:, :, :, start : start + QUERY_CHUNK]
-        logits = torch.einsum("bhgqd,bhld->bhgql", block, key) * scaling
+        c = block.shape[3]
+        seen = start + c if causal else key.shape[2]  # the keys this block's queries may see
+        rows = (block * scaling).reshape(b, h, g * c, d)  # one matrix product per KV head: no einsum copies
+        logits = torch.matmul(rows, key[:, :, :seen].transpose(-1, -2)).view(b, h, g, c, seen)
         if bias is not None:
-            logits = logits + bias[:, :, None, None, :]
-        if visible is not None:
-            logits = logits.masked_fill(~visible[:, :, None, start : start + QUERY_CHUNK], float("-inf"))
-        probs = logits.float().softmax(-1)
-        mass += probs.sum((2, 3))
-        last = probs[:, :, :, -1].sum(2)
-        outputs.append(torch.einsum("bhgql,bhld->bhgqd", probs.to(value.dtype), value))
+            logits = logits + bias[:, :, None, None, :seen]
+        if causal:
+            later = torch.ones(c, seen, dtype=torch.bool, device=key.device).triu(start + 1)
+            logits = logits.masked_fill_(later, float("-inf"))
+        elif visible is not None:
+            logits = logits.masked_fill_(~visible[:, :, None, start : start + QUERY_CHUNK], float("-inf"))
+        probs = logits.softmax(-1, dtype=torch.float32)
+        mass[:, :, :seen] += probs.sum((2, 3))
+        last = probs[:, :, :, -1].sum(2)  # the last block's is the last query's: it sees every key
+        out = torch.matmul(probs.to(value.dtype).view(b, h, g * c, seen), value[:, :, :seen])
+        outputs.append(out.view(b, h, g, c, d))
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last

@@ -332,13 +332,14 @@ class KVLayer(CacheLayerMixin):
         if plan.fresh and (rule is None or not rule.observes):
             out = attention.causal(query, key, value, scaling)
         else:
-            visible = self.visibility(query.shape[2], key.shape[2])
             bias = rule.logit_bias(self.slots, key.shape[2]) if rule is not None and not plan.fetch else None
             if rule is not None and rule.observes and not plan.fetch:
-                out, mass, last = attention.weighted(query, key, value, visible, bias, scaling)
+                causal = plan.fresh and key.shape[2] == query.shape[2]  # a prompt's first chunk: no mask needed
+                visible = None if causal else self.visibility(query.shape[2], key.shape[2])
+                out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, causal)
                 rule.observe(self.slots, mass, last)
             else:
-                out = attention.masked(query, key, value, visible, bias, scaling)
+                out = attention.masked(query, key, value, self.visibility(query.shape[2], key.shape[2]), bias, scaling)
         if self.observer is not None:
             self.observer(*self.attended_positions(key.shape[2]))
         if plan.evict:

@@ -1,0 +1,156 @@
+"""Running the RULER tasks under KV policies: cells, resuming, the leaderboard table, the heatmap.
+
+A cell is one (model, policy, budget, task, length): its samples (``ruler.generate``) decoded
+greedily under the policy, a batch of prompts at a time (every prompt of a cell is exactly
+``length`` tokens, so a batch needs no padding), and scored with the task's metric. A cell's
+result row is appended to the results file as soon as it lands; a run given the same file skips
+the cells it already holds (same model, policy spec, task, length, samples, seed and text), so
+an interrupted grid resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..core import Batch, Sampling, sample
+from ..policies import Policy
+from .ruler import Sample, score
+
+CELL_KEYS = ("model", "spec", "task", "length", "samples", "seed", "text")  # what makes two rows the same cell
+
+
+def cell_key(row: dict) -> tuple:
+    """The identity of a cell, from a result row (``spec`` as canonical JSON)."""
+    return tuple(json.dumps(row[k], sort_keys=True) if k == "spec" else row[k] for k in CELL_KEYS)
+
+
+def finished_cells(out: Path) -> dict[tuple, dict]:
+    """The rows already in ``out`` (a JSON-lines results file), by cell; a line cut short by an
+    interrupted write is ignored (its cell runs again)."""
+    done: dict[tuple, dict] = {}
+    if not out.exists():
+        return done
+    for line in out.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and all(k in row for k in CELL_KEYS):
+            done[cell_key(row)] = row
+    return done
+
+
+def run_cell(
+    model,
+    tokenizer,
+    samples: Sequence[Sample],
+    policy: Policy,
+    stop_ids: Sequence[int],
+    batch_size: int = 4,
+    bar: tqdm | None = None,
+) -> dict:
+    """Greedy answers to ``samples`` (one task and length) under ``policy``, ``batch_size`` prompts
+    per batch; the row has the accuracy (mean score in [0, 1]) and every sample's output."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start = time.perf_counter()
+    outputs: list[str] = []
+    attended: list[float] = []
+    for first in range(0, len(samples), batch_size):
+        group = samples[first : first + batch_size]
+        new_tokens = group[0].max_new_tokens
+        batch = Batch(model, policy, max_length=group[0].length + new_tokens)
+        logits = batch.prefill([s.prompt_ids for s in group], pad_id)
+        tokens = sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids, pad_id)
+        outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        _, fractions = batch.cache.attended()
+        attended.append(sum(fractions) / len(fractions))
+        if bar is not None:
+            bar.update(len(group))
+    return {
+        **policy.describe(),
+        "spec": policy.spec(),
+        "task": samples[0].task,
+        "length": samples[0].length,
+        "accuracy": score(samples, outputs),
+        "samples": len(samples),
+        "attended_fraction": statistics.fmean(attended),
+        "seconds": round(time.perf_counter() - start, 2),
+        "outputs": [
+            {"index": s.index, "depths": s.depths, "answers": s.answers, "output": o, "score": score([s], [o])}
+            for s, o in zip(samples, outputs, strict=True)
+        ],
+    }
+
+
+def policy_name(row: dict) -> str:
+    """A row's policy label with its budget (``h2o 0.1``) or capacity (``bct 512t``)."""
+    if row.get("budget"):
+        return f"{row['label']} {row['budget']:g}"
+    return f"{row['label']} {row['capacity']}t" if row.get("capacity") else row["label"]
+
+
+def leaderboard(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The leaderboard's shape: a header and one line per policy and budget, its accuracy (x100)
+    averaged over tasks at each length and over both, then per task (averaged over lengths)."""
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cells = {(policy_name(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
+
+    def mean(values: list[float]) -> str:
+        return f"{statistics.fmean(values):.1f}" if values else "-"
+
+    lines = []
+    for name in dict.fromkeys(policy_name(r) for r in rows):
+        by_length = [[cells[name, t, n] for t in tasks if (name, t, n) in cells] for n in lengths]
+        per_task = [[cells[name, t, n] for n in lengths if (name, t, n) in cells] for t in tasks]
+        every = [v for values in by_length for v in values]
+        lines.append([name, *map(mean, by_length), mean(every), *map(mean, per_task)])
+    return ["policy", *(f"{n:,}" for n in lengths), "mean", *tasks], lines
+
+
+def summary(rows: list[dict]) -> str:
+    """``leaderboard`` as a text table."""
+    header, lines = leaderboard(rows)
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+    return "\n".join(
+        " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(line, widths, strict=True)))
+        for line in [header, *lines]
+    )
+
+
+def heatmap(rows: list[dict], out: Path) -> Path:
+    """Accuracy (x100) by task (columns) and policy/budget (rows), one panel per length, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    names = list(dict.fromkeys(policy_name(r) for r in rows))
+    cells = {(policy_name(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(1.5 + 0.75 * len(tasks) * len(lengths), 1.8 + 0.4 * len(names)), squeeze=False
+    )
+    for axis, length in zip(axes[0], lengths, strict=True):
+        grid = [[cells.get((name, task, length), float("nan")) for task in tasks] for name in names]
+        axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, values in enumerate(grid):
+            for j, value in enumerate(values):
+                if value == value:  # not NaN: a cell that ran
+                    axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
+        axis.set_xticks(range(len(tasks)), tasks, rotation=90, fontsize=8)
+        axis.set_yticks(range(len(names)), names if axis is axes[0][0] else [""] * len(names), fontsize=8)
+        axis.set_title(f"{length:,} tokens", fontsize=10)
+    fig.suptitle(f"RULER accuracy (x100), {rows[0]['model']}", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
