@@ -57,7 +57,7 @@ def test_greedy_flag_is_true_for_the_models_own_continuation(tiny_lm):
 def test_rolling_loglikelihood_in_chunks_is_the_models_own(tiny_lm):
     text = "It is a truth universally acknowledged, that a single man in possession of a good fortune."
     (total,) = tiny_lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)
-    ids = [tiny_lm.eot_token_id, *tiny_lm.tok_encode(text)]
+    ids = [tiny_lm.prefix_token_id, *tiny_lm.tok_encode(text, add_special_tokens=False)]
     assert len(ids) > 2 * tiny_lm.chunk  # several chunks
     assert total == pytest.approx(float(own_logprobs(tiny_lm, ids).sum()), abs=1e-3)
 

@@ -68,11 +68,20 @@ class InfinikvLM(TemplateLM):
         return self.tokenizer.eos_token_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """What an empty context (and a rolling text) starts from: the BOS token where the tokenizer
+        starts every text with one (Gemma), else the end-of-text token."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None and self.tok_encode("a")[:1] == [bos] else self.eot_token_id
+
+    @property
     def tokenizer_name(self) -> str:
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return self.tokenizer(string, add_special_tokens=bool(add_special_tokens)).input_ids
+        """None: as the tokenizer does by default (a BOS where the model expects one)."""
+        special = True if add_special_tokens is None else add_special_tokens
+        return self.tokenizer(string, add_special_tokens=special).input_ids
 
     @torch.inference_mode()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
@@ -97,10 +106,10 @@ class InfinikvLM(TemplateLM):
     @torch.inference_mode()
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood, every token predicted once, fed ``chunk`` tokens per forward
-        after the end-of-text token (the policy compresses between chunks)."""
+        after ``prefix_token_id`` (the policy compresses between chunks)."""
         out = []
         for request in tqdm(requests, desc="loglikelihood_rolling", disable=disable_tqdm):
-            ids = torch.tensor([[self.eot_token_id, *self.tok_encode(request.args[0])]])
+            ids = torch.tensor([[self.prefix_token_id, *self.tok_encode(request.args[0], add_special_tokens=False)]])
             batch = Batch(self.model, self.policy, max_length=ids.shape[1])
             total = 0.0
             for begin in range(0, ids.shape[1] - 1, self.chunk):
