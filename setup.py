@@ -1,5 +1,7 @@
 """Only what pyproject.toml cannot say: install ``infinikv_lm_eval.pth`` beside the package (in a
-wheel and in an editable install), so that ``lm_eval --model infinikv`` finds infinikv's model."""
+wheel and in an editable install), so that ``lm_eval --model infinikv`` finds infinikv's model.
+The file's one line imports the hook ``src/_infinikv_lm_eval.py``; it is written here, not kept
+in the repository."""
 
 from pathlib import Path
 
@@ -7,13 +9,13 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
-PTH = Path("src", "infinikv_lm_eval.pth")
+PTH_NAME, PTH_LINE = "infinikv_lm_eval.pth", "import _infinikv_lm_eval\n"
 
 
 class BuildWithPth(build_py):
     def run(self) -> None:
         super().run()
-        self.copy_file(str(PTH), str(Path(self.build_lib, PTH.name)), preserve_mode=False)
+        Path(self.build_lib, PTH_NAME).write_text(PTH_LINE)
 
 
 class EditableWithPth(editable_wheel):
@@ -22,7 +24,7 @@ class EditableWithPth(editable_wheel):
 
         wheel_path = super()._create_wheel_file(bdist_wheel)
         with WheelFile(wheel_path, "a") as wheel:
-            wheel.write(str(PTH), PTH.name)
+            wheel.writestr(PTH_NAME, PTH_LINE)
         return wheel_path
 
 

@@ -1,9 +1,10 @@
 """Makes ``lm_eval --model infinikv`` work: registers infinikv's lm-eval model when lm-eval loads
 its own models.
 
-``infinikv_lm_eval.pth`` (installed beside the package) imports this at interpreter start-up, so
-it must stay tiny and import nothing heavy: it only watches for ``lm_eval.models`` and, once that
-module has registered lm-eval's models, adds ``infinikv`` as a lazy entry
+``infinikv_lm_eval.pth`` (written beside the package by ``setup.py``) imports this at
+interpreter start-up, so it must stay tiny and import nothing heavy: it only watches for
+``lm_eval.models`` and, once that module has registered lm-eval's models, adds ``infinikv`` as a
+lazy entry
 (``infinikv.harness:InfinikvLM``), so programs that never use lm-eval never import infinikv or
 torch because of it.
 """

@@ -105,3 +105,27 @@ def needle_heatmap(rows: list[dict], out: Path) -> Path:
     axis.set_xlabel("depth of the pass key")
     axis.set_title(f"P-needle, {rows[0]['context']} tokens: pass key found (green) or not (red)", fontsize=10)
     return _save(fig, out)
+
+
+def ruler_heatmap(rows: list[dict], out: Path) -> Path:
+    """Accuracy (x100) by task (columns) and policy/budget (rows), one panel per length, as a PNG."""
+    plt = _pyplot()
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    names = list(dict.fromkeys(budget_label(r) for r in rows))
+    cells = {(budget_label(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(1.5 + 0.75 * len(tasks) * len(lengths), 1.8 + 0.4 * len(names)), squeeze=False
+    )
+    for axis, length in zip(axes[0], lengths, strict=True):
+        grid = [[cells.get((name, task, length), float("nan")) for task in tasks] for name in names]
+        axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, values in enumerate(grid):
+            for j, value in enumerate(values):
+                if value == value:  # not NaN: a cell that ran
+                    axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
+        axis.set_xticks(range(len(tasks)), tasks, rotation=90, fontsize=8)
+        axis.set_yticks(range(len(names)), names if axis is axes[0][0] else [""] * len(names), fontsize=8)
+        axis.set_title(f"{length:,} tokens", fontsize=10)
+    fig.suptitle(f"RULER accuracy (x100), {rows[0]['model']}", fontsize=10)
+    return _save(fig, out)

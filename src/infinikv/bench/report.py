@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .plots import budget_label, label, needle_heatmap, perplexity_plot, speed_plot
+from .plots import budget_label, label, needle_heatmap, perplexity_plot, ruler_heatmap, speed_plot
 
 
 def latest(folder: Path, kind: str) -> Path | None:
@@ -139,9 +139,7 @@ def write_report(
         needle_heatmap(needle, out_dir / "quality-needle.png")
     lines += quality_section(quality)
     if ruler:
-        from ..eval.ruler_run import heatmap
-
-        heatmap(ruler, out_dir / "ruler.png")
+        ruler_heatmap(ruler, out_dir / "ruler.png")
         lines += ruler_section(ruler)
     report = out_dir / "report.md"
     report.write_text("\n".join(lines))

@@ -73,9 +73,10 @@ def cmd_needle(args: argparse.Namespace) -> int:
 def cmd_ruler(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..bench.plots import ruler_heatmap
     from ..engine import end_of_sequence_ids
     from ..eval import ruler
-    from ..eval.ruler_run import cell_key, finished_cells, heatmap, run_cell, summary
+    from ..eval.ruler_run import cell_key, finished_cells, run_cell, summary
 
     policies = grid(args)
     tasks = ruler.task_names(args.tasks)
@@ -129,7 +130,7 @@ def cmd_ruler(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
     if args.heatmap:
-        print(f"heatmap -> {heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
+        print(f"heatmap -> {ruler_heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
     print(json.dumps(rows, indent=2) if args.json else summary(rows))
     return 0
 

@@ -1,4 +1,4 @@
-"""Running the RULER tasks under KV policies: cells, resuming, the leaderboard table, the heatmap.
+"""Running the RULER tasks under KV policies: cells, resuming, the leaderboard table.
 
 A cell is one (model, policy, budget, task, length): its samples (``ruler.generate``) decoded
 greedily under the policy, a batch of prompts at a time (every prompt of a cell is exactly
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..bench.plots import budget_label
 from ..core import Batch, Sampling, sample
 from ..policies import Policy
 from .ruler import Sample, score
@@ -88,25 +89,18 @@ def run_cell(
     }
 
 
-def policy_name(row: dict) -> str:
-    """A row's policy label with its budget (``h2o 0.1``) or capacity (``bct 512t``)."""
-    if row.get("budget"):
-        return f"{row['label']} {row['budget']:g}"
-    return f"{row['label']} {row['capacity']}t" if row.get("capacity") else row["label"]
-
-
 def leaderboard(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The leaderboard's shape: a header and one line per policy and budget, its accuracy (x100)
     averaged over tasks at each length and over both, then per task (averaged over lengths)."""
     lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    cells = {(policy_name(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
+    cells = {(budget_label(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
 
     def mean(values: list[float]) -> str:
         return f"{statistics.fmean(values):.1f}" if values else "-"
 
     lines = []
-    for name in dict.fromkeys(policy_name(r) for r in rows):
+    for name in dict.fromkeys(budget_label(r) for r in rows):
         by_length = [[cells[name, t, n] for t in tasks if (name, t, n) in cells] for n in lengths]
         per_task = [[cells[name, t, n] for n in lengths if (name, t, n) in cells] for t in tasks]
         every = [v for values in by_length for v in values]
@@ -122,35 +116,3 @@ def summary(rows: list[dict]) -> str:
         " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(line, widths, strict=True)))
         for line in [header, *lines]
     )
-
-
-def heatmap(rows: list[dict], out: Path) -> Path:
-    """Accuracy (x100) by task (columns) and policy/budget (rows), one panel per length, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = sorted({r["length"] for r in rows})
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    names = list(dict.fromkeys(policy_name(r) for r in rows))
-    cells = {(policy_name(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
-    fig, axes = plt.subplots(
-        1, len(lengths), figsize=(1.5 + 0.75 * len(tasks) * len(lengths), 1.8 + 0.4 * len(names)), squeeze=False
-    )
-    for axis, length in zip(axes[0], lengths, strict=True):
-        grid = [[cells.get((name, task, length), float("nan")) for task in tasks] for name in names]
-        axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
-        for i, values in enumerate(grid):
-            for j, value in enumerate(values):
-                if value == value:  # not NaN: a cell that ran
-                    axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
-        axis.set_xticks(range(len(tasks)), tasks, rotation=90, fontsize=8)
-        axis.set_yticks(range(len(names)), names if axis is axes[0][0] else [""] * len(names), fontsize=8)
-        axis.set_title(f"{length:,} tokens", fontsize=10)
-    fig.suptitle(f"RULER accuracy (x100), {rows[0]['model']}", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
