@@ -160,7 +160,8 @@ def bench_speed(
         measured = bandwidth or triad.median()
         full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == "full" and not d["compiled"]), None)
         rss = process.memory_info().rss
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        # ru_maxrss is KiB on Linux; the kernel's high-water mark can lag the current RSS by a few pages
+        peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
         for key, (description, run) in runs.items():
             ms = medians[key]
             if isinstance(run, Batch):
