@@ -8,7 +8,8 @@ import pytest
 from infinikv.cli import main
 from infinikv.engine import end_of_sequence_ids
 from infinikv.eval import ruler
-from infinikv.eval.ruler_run import finished_cells, leaderboard, run_cell, summary
+from infinikv.eval.ruler_run import leaderboard, run_cell, summary
+from infinikv.grid import finished
 from infinikv.policies import parse_spec
 
 KEYS = {"model", "policy", "budget", "task", "length", "accuracy", "samples"}
@@ -58,7 +59,7 @@ def test_a_grid_appends_one_row_per_cell_and_resumes(capsys, tmp_path, tiny_fold
 
 
 def rows_of_valid(path):
-    return list(finished_cells(path).values())
+    return list(finished(path).values())
 
 
 def test_leaderboard_averages_over_tasks_and_lengths():

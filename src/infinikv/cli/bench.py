@@ -10,11 +10,13 @@ from pathlib import Path
 
 from .. import data, models
 from ..errors import InfinikvError
+from ..grid import PROTOCOLS, Cell
 from ..paths import home
 from ..policies import parse_spec
 from .common import (
     add_model_argument,
     add_policy_arguments,
+    add_ray_arguments,
     append_row,
     budget_label,
     counts,
@@ -30,33 +32,27 @@ from .common import (
 
 def cmd_quality(args: argparse.Namespace) -> int:
     from ..bench.plots import needle_heatmap, perplexity_plot
-    from ..eval.needle import needle_accuracy, needle_cases
-    from ..eval.ppl import context_tokens, perplexity
+    from ..eval.needle import needle_cases
+    from ..eval.ppl import context_tokens
 
     policies = grid(args)
     if args.needles < 0:
         raise InfinikvError("--needles must be at least 0 (0 skips P-needle)")
     model, tokenizer = models.load_model(args.model)
-    ids = context_tokens(tokenizer, data.load_text(args.text, from_chapter_one=True), args.context, args.continuation)
-    haystack = data.load_text(args.needle_text, from_chapter_one=True) if args.needles else ""
-    cases = needle_cases(tokenizer, haystack, args.needle_context, args.needles, args.seed) if args.needles else []
+    context_tokens(tokenizer, data.load_text(args.text, from_chapter_one=True), args.context, args.continuation)
+    if args.needles:  # both texts are long enough before any cell runs
+        haystack = data.load_text(args.needle_text, from_chapter_one=True)
+        needle_cases(tokenizer, haystack, args.needle_context, args.needles, args.seed)
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "quality")
     print(f"quality: P-ctx on {args.text}, P-needle on {args.needle_text}; results -> {out}", file=sys.stderr)
-    rows = run_cells(
-        policies,
-        lambda p: perplexity(model, ids, p, args.context, not args.quiet),
-        out,
-        "perplexity",
-        {"protocol": "P-ctx", "text": args.text},
-    )
-    needles = run_cells(
-        policies if cases else [],
-        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
-        out,
-        "accuracy",
-        {"protocol": "P-needle", "text": args.needle_text},
-    )
+    ctx = {"text": args.text, "context": args.context, "continuation": args.continuation}
+    needle = {"text": args.needle_text, "context": args.needle_context, "needles": args.needles, "seed": args.seed}
+    cells = [Cell("P-ctx", args.model, p.spec(), ctx) for p in policies]
+    cells += [Cell("P-needle", args.model, p.spec(), needle) for p in policies if args.needles]
+    every = run_cells(args, cells, out, model, tokenizer)
+    rows = [r for r in every if r["protocol"] == "P-ctx"]
+    needles = [r for r in every if r["protocol"] == "P-needle"]
     if args.json:
         Path(args.json).write_text(json.dumps(rows + needles, indent=2))
     if args.plot_dir:
@@ -203,9 +199,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         h2o=fractions["h2o"][0],
         kv_on_host=args.kv_on_host,
     )
+    if args.replicas < 1:
+        raise InfinikvError("--replicas must be at least 1")
+    for r in rows:  # replicas do not share a GPU, host memory or link: N times one replica's rate
+        r["aggregate_tokens_per_second"] = r["tokens_per_second"] * args.replicas if r["fits"] else None
     if args.json:
         result = {
             "projection": True,
+            "replicas": args.replicas,
             "model": shape.name,
             "gpu": args.gpu,
             "host_gb": args.host_memory,
@@ -226,14 +227,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"K/V fp16: {kv / 1e9:.1f} GB ({shape.kv_bytes_per_token() / 1e3:.1f} KB per token); "
         + ", ".join(f"{k} {planner.FRACTIONS[k][0]} {v:.3f} ({src})" for k, (v, src) in fractions.items())
     )
+    many = args.replicas > 1
+    if many:
+        print(
+            f"{args.replicas} replicas, each on its own {gpu.name} and {args.host_memory:g} GB host: "
+            f"aggregate = {args.replicas} x one replica's tok/s (a projection: nothing shared is modelled)"
+        )
     print(
         f"{'policy':<10} {'tok/s':>8} {'bound by':<11} {'K/V on':<6} {'GPU GB':>7} {'host GB':>8} {'PCIe GB/step':>13}"
+        + (f" {'aggregate tok/s':>16}" if many else "")
     )
     for r in rows:
         speed = f"{r['tokens_per_second']:.2f}" if r["fits"] else "no fit"
+        total = f" {r['aggregate_tokens_per_second']:>16.2f}" if many and r["fits"] else f" {'-':>16}" if many else ""
         print(
             f"{r['policy']:<10} {speed:>8} {r['bound']:<11} {'GPU' if r['kv_on_gpu'] else 'host':<6} "
             f"{r['gpu_bytes'] / 1e9:>7.1f} {r['host_bytes'] / 1e9:>8.1f} {r['link_bytes_per_step'] / 1e9:>13.2f}"
+            + total
         )
     return 0
 
@@ -266,10 +276,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def ruler_rows(path: Path) -> list[dict]:
     from ..bench.plan import read_rows
-    from ..eval.ruler_run import CELL_KEYS
 
     rows = read_rows(path)
-    if not rows or any(not all(k in r for k in (*CELL_KEYS, "accuracy")) for r in rows):
+    if not rows or any(not all(k in r for k in ("model", "spec", *PROTOCOLS["RULER"], "accuracy")) for r in rows):
         raise InfinikvError(f"{path} holds no infinikv eval ruler rows")
     return rows
 
@@ -298,6 +307,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument("--plot-dir", help="write quality-ppl.png (curves) and quality-needle.png (heatmap) here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True, every_policy=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_quality, budgets="0.05,0.1,0.2,0.5")
 
     p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
@@ -349,6 +359,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument("--fetch-fraction", type=float, help="InfiniGen's fetched share of the tokens (overrides --from)")
     p.add_argument("--h2o-budget", type=float, help="H2O's kept share of the tokens (overrides --from)")
     p.add_argument("--kv-on-host", action="store_true", help="keep every K/V on the host, as in the paper's runs")
+    p.add_argument("--replicas", type=int, default=1, help="serving replicas, each on its own GPU: adds their total")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
     return bench

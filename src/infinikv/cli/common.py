@@ -4,15 +4,16 @@ options, grids of policy specs, results files, labels and tables."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from .. import models
 from ..errors import InfinikvError
+from ..grid import METRICS, Cell, LocalPool, Worker, run_grid
+from ..grid import append_row as append_row  # the results files of every command
 from ..paths import home
 from ..policies import Policy, all_options, parse_spec, policy_class, policy_names
 
@@ -143,6 +144,7 @@ def counts(text: str, flag: str) -> list[int]:
 
 
 def grid(args: argparse.Namespace) -> list[Policy]:
+    check_ray_arguments(args)
     names = split_policies(args.policies)
     return [parse_spec(spec) for spec in specs(args, names, floats(args.budgets, "--budgets"))]
 
@@ -182,22 +184,41 @@ def results_file(args: argparse.Namespace, kind: str) -> Path:
     return out
 
 
-def append_row(out: Path, row: dict) -> None:
-    """Append ``row`` as one JSON line, on a line of its own even after a write cut short."""
-    with out.open("ab+") as f:
-        cut = f.tell() > 0 and f.seek(-1, 2) >= 0 and f.read(1) != b"\n"
-        f.write((("\n" if cut else "") + json.dumps(row) + "\n").encode())
+def check_ray_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad Ray flags, and ``--ray`` without Ray installed, before anything loads."""
+    if not hasattr(args, "ray"):
+        return
+    if args.ray is None:
+        given = [f for f, v in (("--workers", args.workers), ("--worker-gpus", args.worker_gpus)) if v is not None]
+        if given:
+            raise InfinikvError(f"{given[0]} needs --ray")
+        return
+    if (args.workers is not None and args.workers < 1) or args.worker_cpus <= 0 or (args.worker_gpus or 0) < 0:
+        raise InfinikvError("--workers must be at least 1, --worker-cpus positive, --worker-gpus >= 0")
+    from ..cluster import import_ray
+
+    import_ray(args.ray)
 
 
-def run_cells(policies: list[Policy], run: Callable[[Policy], dict], out: Path, label: str, extra: dict) -> list[dict]:
-    """``run(policy)`` for each cell; each result is appended to ``out`` as soon as it lands."""
-    rows = []
-    for policy in policies:
-        result = {**run(policy), **extra}
-        rows.append(result)
-        append_row(out, result)
-        print(f"  done: {result['label']} budget={budget_label(result)} {label}={result[label]:.4g}", file=sys.stderr)
-    return rows
+def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tokenizer) -> list[dict]:
+    """The grid's rows: here on the loaded model, or with ``--ray`` on a Ray cluster's workers."""
+
+    def describe(row: dict) -> str:
+        where = f"{row['task']} at {row['length']}: " if row["protocol"] == "RULER" else ""
+        metric = METRICS[row["protocol"]]
+        return f"{where}{row['label']} budget={budget_label(row)} {metric}={row[metric]:.4g}"
+
+    if args.ray is None:
+        worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer))
+        return run_grid(cells, out, lambda: LocalPool(worker), describe, not args.quiet)
+    from ..cluster import RayPool, connect
+
+    leave = connect(args.ray)
+    try:
+        pool = lambda: RayPool(args.model, args.workers, args.worker_cpus, args.worker_gpus)  # noqa: E731
+        return run_grid(cells, out, pool, describe, not args.quiet)
+    finally:
+        leave()
 
 
 def budget_label(row: dict) -> str:
@@ -246,3 +267,26 @@ def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: 
     if results:
         parser.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and the shape of its workers, for commands that run a grid of cells."""
+    group = parser.add_argument_group("Ray (pip install 'infinikv[ray]')")
+    group.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run the cells on a Ray cluster: auto, HOST:PORT, or no value for a local cluster of this machine",
+    )
+    group.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="Ray workers, each loads the model once (default: the cluster's CPUs / --worker-cpus)",
+    )
+    group.add_argument("--worker-cpus", type=float, default=1, help="CPUs per worker (default 1)")
+    group.add_argument(
+        "--worker-gpus", type=float, default=None, help="GPUs per worker (default 1 if the cluster has any)"
+    )

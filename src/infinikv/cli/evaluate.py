@@ -10,11 +10,12 @@ from pathlib import Path
 from .. import data, models
 from ..errors import InfinikvError
 from ..eval.ruler import TASKS as RULER_TASKS
+from ..grid import Cell
 from .common import (
     GRID_JSON,
     add_policy_arguments,
+    add_ray_arguments,
     add_run_arguments,
-    append_row,
     budget_label,
     counts,
     grid,
@@ -27,56 +28,44 @@ from .common import (
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from ..eval.ppl import context_tokens, perplexity
+    from ..eval.ppl import context_tokens
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
-    ids = context_tokens(tokenizer, text, args.context, args.continuation)
+    context_tokens(tokenizer, text, args.context, args.continuation)  # a text too short fails before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "ppl")
     print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens; results -> {out}", file=sys.stderr)
-    rows = run_cells(
-        policies,
-        lambda p: perplexity(model, ids, p, args.context, not args.quiet, compile=args.compile and p.compilable),
-        out,
-        "perplexity",
-        {"text": args.text},
-    )
+    params = {"text": args.text, "context": args.context, "continuation": args.continuation}
+    cells = [Cell("P-ctx", args.model, p.spec(), params, {"compile": args.compile}) for p in policies]
+    rows = run_cells(args, cells, out, model, tokenizer)
     print(json.dumps(rows, indent=2) if args.json else ppl_table(rows))
     return 0
 
 
 def cmd_needle(args: argparse.Namespace) -> int:
-    from ..eval.needle import needle_accuracy, needle_cases
+    from ..eval.needle import needle_cases
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
-    cases = needle_cases(tokenizer, text, args.context, args.needles, args.seed)
+    needle_cases(tokenizer, text, args.context, args.needles, args.seed)  # fits, before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "needle")
     print(
         f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
     )
-    rows = run_cells(
-        policies,
-        lambda p: needle_accuracy(model, tokenizer, cases, p, not args.quiet),
-        out,
-        "accuracy",
-        {"text": args.text},
-    )
+    params = {"text": args.text, "context": args.context, "needles": args.needles, "seed": args.seed}
+    rows = run_cells(args, [Cell("P-needle", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
     print(json.dumps(rows, indent=2) if args.json else needle_table(rows))
     return 0
 
 
 def cmd_ruler(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from ..bench.plots import ruler_heatmap
-    from ..engine import end_of_sequence_ids
     from ..eval import ruler
-    from ..eval.ruler_run import cell_key, finished_cells, run_cell, summary
+    from ..eval.ruler_run import summary
 
     policies = grid(args)
     tasks = ruler.task_names(args.tasks)
@@ -87,48 +76,29 @@ def cmd_ruler(args: argparse.Namespace) -> int:
     text = data.load_text(args.text, from_chapter_one=True) if needs_text else None
     model, tokenizer = models.load_model(args.model)
     trained = getattr(model.config, "max_position_embeddings", None)
-
-    def samples(task: str, length: int) -> list[ruler.Sample]:
-        return ruler.generate(task, tokenizer, text, length, args.samples, args.seed, max_context=trained)
-
     for task in tasks:  # every task must fit every length before any cell runs
         for length in lengths:
             ruler.generate(task, tokenizer, text, length, 1, args.seed, max_context=trained)
     prepare(policies, model, tokenizer, args.text if needs_text else None, not args.quiet)
     out = results_file(args, "ruler")
-    done = finished_cells(out)
-    extra = {"model": args.model, "seed": args.seed, "text": args.text}
-    cells = [(n, t, p) for n in lengths for t in tasks for p in policies]
-
-    def key(length: int, task: str, policy) -> tuple:
-        return cell_key({**extra, "spec": policy.spec(), "task": task, "length": length, "samples": args.samples})
-
-    todo = [c for c in cells if key(*c) not in done]
     print(
         f"RULER: {len(tasks)} tasks x {len(lengths)} lengths x {len(policies)} policies, {args.samples} samples "
-        f"per cell; {len(cells) - len(todo)} of {len(cells)} cells already in {out}; results -> {out} "
-        f"(give --out {out} again to resume)",
+        f"per cell; results -> {out}",
         file=sys.stderr,
     )
-    stop_ids = sorted(end_of_sequence_ids(model, tokenizer))
-    rows = []
-    with tqdm(total=len(todo) * args.samples, unit="sample", desc="RULER", disable=args.quiet) as bar:
-        for length in lengths:
-            for task in tasks:
-                prompts = None
-                for policy in policies:
-                    if key(length, task, policy) in done:
-                        rows.append(done[key(length, task, policy)])
-                        continue
-                    prompts = prompts or samples(task, length)
-                    row = {**run_cell(model, tokenizer, prompts, policy, stop_ids, args.batch_size, bar), **extra}
-                    rows.append(row)
-                    append_row(out, row)
-                    bar.write(
-                        f"  done: {task} at {length}: {row['label']} budget={budget_label(row)} "
-                        f"accuracy={100 * row['accuracy']:.1f} ({row['seconds']:.0f} s)",
-                        file=sys.stderr,
-                    )
+    cells = [
+        Cell(
+            "RULER",
+            args.model,
+            policy.spec(),
+            {"task": task, "length": length, "samples": args.samples, "seed": args.seed, "text": args.text},
+            {"batch_size": args.batch_size},
+        )
+        for length in lengths
+        for task in tasks
+        for policy in policies
+    ]
+    rows = run_cells(args, cells, out, model, tokenizer)
     if args.heatmap:
         print(f"heatmap -> {ruler_heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
     print(json.dumps(rows, indent=2) if args.json else summary(rows))
@@ -136,26 +106,19 @@ def cmd_ruler(args: argparse.Namespace) -> int:
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
-    from ..eval.stream import plot, stream
+    from ..eval.stream import plot, stream_tokens
 
     policies = grid(args)
     if args.tokens < 2 or args.chunk < 1 or args.window < 1:
         raise InfinikvError("--tokens must be at least 2, --chunk and --window at least 1")
     text = data.load_text(args.text)
     model, tokenizer = models.load_model(args.model)
-    ids = tokenizer(text[: args.tokens * 8], return_tensors="pt").input_ids[:, : args.tokens]
-    if ids.shape[1] < args.tokens:
-        raise InfinikvError(f"the text has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+    stream_tokens(tokenizer, text, args.tokens)  # long enough, before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "stream")
     print(f"P-stream: {args.tokens} tokens of {args.text} in chunks of {args.chunk}; results -> {out}", file=sys.stderr)
-    rows = run_cells(
-        policies,
-        lambda p: stream(model, ids, p, args.chunk, args.window, not args.quiet),
-        out,
-        "perplexity",
-        {"text": args.text},
-    )
+    params = {"text": args.text, "tokens": args.tokens, "chunk": args.chunk, "window": args.window}
+    rows = run_cells(args, [Cell("P-stream", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
     if args.plot:
         trained = getattr(model.config, "max_position_embeddings", None)
         print(f"plot -> {plot(rows, Path(args.plot), trained)}", file=sys.stderr)
@@ -180,22 +143,16 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
 def cmd_recall(args: argparse.Namespace) -> int:
     from ..eval.ppl import context_tokens
-    from ..eval.recall import attention_recall
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
     model, tokenizer = models.load_model(args.model)
     prepare(policies, model, tokenizer, args.text, not args.quiet)
-    ids = context_tokens(tokenizer, text, args.context, args.steps)[:, : args.context + args.steps]
+    context_tokens(tokenizer, text, args.context, args.steps)  # long enough, before any cell
     out = results_file(args, "recall")
     print(f"recall on {args.text} at {args.context} tokens, {args.steps} decode steps -> {out}", file=sys.stderr)
-    rows = run_cells(
-        policies,
-        lambda p: attention_recall(model, ids, p, args.context, not args.quiet),
-        out,
-        "recall",
-        {"text": args.text},
-    )
+    params = {"text": args.text, "context": args.context, "steps": args.steps}
+    rows = run_cells(args, [Cell("recall", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -219,6 +176,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--compile", action="store_true", help="compile the decode steps of policies that allow it")
     add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_ppl)
 
     p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%")
@@ -228,6 +186,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--needles", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_needle)
 
     p = ev.add_parser("ruler", help="RULER's synthetic long-context tasks (needles, variable tracking, word counts)")
@@ -240,6 +199,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (default 4)")
     p.add_argument("--heatmap", help="write a PNG of accuracy by task and policy, one panel per length")
     add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_ruler)
 
     p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
@@ -250,6 +210,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     p.add_argument("--plot", help="write a PNG of perplexity and RSS over the stream")
     add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_stream)
 
     p = ev.add_parser("recall", help="share of the true attention the tokens a policy attends to capture")
@@ -258,4 +219,5 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=32, help="decode steps measured")
     add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
     p.set_defaults(func=cmd_recall)

@@ -14,6 +14,16 @@ from .common import add_model_argument, add_policy_arguments, given_options, mib
 def check(args: argparse.Namespace) -> None:
     if args.max_queue < 0 or (args.threads is not None and args.threads < 1) or args.prefill_chunk < 1:
         raise InfinikvError("--max-queue must be >= 0, --threads and --prefill-chunk at least 1")
+    if args.ray is None:
+        given = [f for f, v in (("--replicas", args.replicas), ("--replica-gpus", args.replica_gpus)) if v is not None]
+        if given:
+            raise InfinikvError(f"{given[0]} needs --ray")
+        return
+    if (args.replicas is not None and args.replicas < 1) or args.replica_cpus <= 0 or (args.replica_gpus or 0) < 0:
+        raise InfinikvError("--replicas must be at least 1, --replica-cpus positive, --replica-gpus >= 0")
+    from ..cluster import import_ray
+
+    import_ray(args.ray, serve=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -33,21 +43,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
             probe.bind((args.host, args.port))
         except OSError as exc:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_key": args.api_key}
+    options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile}
+    if args.ray is not None:
+        return serve_on_ray(args, spec, options)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     model, tokenizer = models.load_model(args.model)
     spec = spec or models.default_policy_spec(model) or {"policy": "full"}
-    app = create_app(
-        model, tokenizer, args.model, spec, kv_memory, args.max_queue, args.api_key, args.prefill_chunk, args.compile
-    )
+    app = create_app(model, tokenizer, args.model, spec, **options)
     print(
         f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
         f"--kv-memory {mib(kv_memory)})",
         file=sys.stderr,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace, spec: dict | None, options: dict) -> int:
+    from ..cluster import connect
+
+    models.resolve(args.model)  # a missing model fails here, not in every replica
+    leave = connect(args.ray)
+    try:
+        from ..serve.replicas import serve_replicas
+
+        options |= {"default_kv": spec}  # None: each replica takes its model's own policy
+        serve_replicas(
+            args.model,
+            args.replicas or 1,
+            args.replica_cpus,
+            args.replica_gpus,
+            args.host,
+            args.port,
+            args.threads,
+            options,
+        )
+    finally:
+        leave()
     return 0
 
 
@@ -71,37 +107,82 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 serve_args += [f"--{key}", str(spec[key])]
         for key, value in given_options(args).items():
             serve_args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    r = bench_serve(
-        args.model,
-        serve_args,
-        kv_memory,
-        args.clients,
-        args.requests,
-        args.max_tokens,
-        args.duration,
-        long_every=args.long_every,
-        long_prompt=args.long_prompt,
-    )
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        print(
-            f"{r['clients']} clients, {r['completed']}/{r['requests']} requests completed in {r['seconds']} s "
-            f"({r['errors']} errors, {r['unfinished']} unfinished)\n"
-            f"requests/s {r['requests_per_second']}, tokens/s {r['tokens_per_second']}\n"
-            f"time to first token p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms\n"
-            f"inter-token latency p50 {r['itl_p50_ms']} ms, p99 {r['itl_p99_ms']} ms\n"
-            f"peak server RSS {mib(r['peak_rss_bytes'])} vs --kv-memory {mib(kv_memory)} + model "
-            f"{mib(r['model_bytes'])}: {'ok' if r['rss_within_budget'] else 'OVER'}"
+    ray_args = []
+    if args.ray is not None:
+        ray_args = ["--ray"] + ([] if args.ray == "local" else [args.ray]) + ["--replicas", str(args.replicas or 1)]
+        ray_args += ["--replica-cpus", str(args.replica_cpus)]
+        ray_args += ["--replica-gpus", str(args.replica_gpus)] if args.replica_gpus is not None else []
+    load = (args.clients, args.requests, args.max_tokens, args.duration)
+    runs = {}
+    for name, extra in [("one process", [])] + ([("Ray Serve", ray_args)] if ray_args else []):
+        if ray_args:
+            print(f"infinikv: bench serve: {name} ...", file=sys.stderr)
+        runs[name] = bench_serve(
+            args.model, serve_args + extra, kv_memory, *load, long_every=args.long_every, long_prompt=args.long_prompt
         )
-        if r.get("long_prompts"):
-            print(f"long prompts sent: {r['long_prompts']} ({args.long_prompt} tokens every {args.long_every:g} s)")
+    if ray_args:
+        single, ray = runs.values()
+        overhead = None
+        if single["idle_latency_p50_ms"] is not None and ray["idle_latency_p50_ms"] is not None:
+            overhead = round(ray["idle_latency_p50_ms"] - single["idle_latency_p50_ms"], 1)
+        result = {
+            "one_process": single,
+            "ray_serve": ray,
+            "replicas": args.replicas or 1,
+            "serve_overhead_ms": overhead,
+        }
+    else:
+        result = runs["one process"]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif ray_args:
+        print(compare_table(runs, args.replicas or 1, result["serve_overhead_ms"], kv_memory))
+    else:
+        print(summary(result, args, kv_memory))
+    for r in runs.values():
         for message in r["error_messages"]:
             print(f"  error: {message}", file=sys.stderr)
-    if not r["rss_within_budget"]:
-        print("infinikv: the server's RSS went over --kv-memory + the model size", file=sys.stderr)
+    if not all(r["rss_within_budget"] for r in runs.values()):
+        print("infinikv: a server process's RSS went over --kv-memory + the model size", file=sys.stderr)
         return 1
-    return 0 if r["errors"] == 0 else 1
+    return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
+
+
+def summary(r: dict, args: argparse.Namespace, kv_memory: int) -> str:
+    lines = [
+        f"{r['clients']} clients, {r['completed']}/{r['requests']} requests completed in {r['seconds']} s "
+        f"({r['errors']} errors, {r['unfinished']} unfinished)",
+        f"requests/s {r['requests_per_second']}, tokens/s {r['tokens_per_second']}",
+        f"time to first token p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms",
+        f"inter-token latency p50 {r['itl_p50_ms']} ms, p99 {r['itl_p99_ms']} ms",
+        f"one-token request to the idle server: {r['idle_latency_p50_ms']} ms (median of 10)",
+        f"peak server RSS {mib(r['peak_rss_bytes'])} vs --kv-memory {mib(kv_memory)} + model "
+        f"{mib(r['model_bytes'])}: {'ok' if r['rss_within_budget'] else 'OVER'}",
+    ]
+    if r.get("long_prompts"):
+        lines.append(f"long prompts sent: {r['long_prompts']} ({args.long_prompt} tokens every {args.long_every:g} s)")
+    return "\n".join(lines)
+
+
+def compare_table(runs: dict[str, dict], replicas: int, overhead: float | None, kv_memory: int) -> str:
+    """The single-process server and the Ray Serve replicas, measured in the same run, side by side."""
+    rows = [
+        ("completed / requests", lambda r: f"{r['completed']}/{r['requests']}"),
+        ("errors (unfinished)", lambda r: f"{r['errors']} ({r['unfinished']})"),
+        ("requests/s", lambda r: r["requests_per_second"]),
+        ("tokens/s", lambda r: r["tokens_per_second"]),
+        ("TTFT p50 / p99 ms", lambda r: f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']}"),
+        ("ITL p50 / p99 ms", lambda r: f"{r['itl_p50_ms']} / {r['itl_p99_ms']}"),
+        ("idle 1-token request ms", lambda r: r["idle_latency_p50_ms"]),
+        ("peak RSS, largest process", lambda r: mib(r["peak_rss_bytes"])),
+        ("peak RSS, all processes", lambda r: mib(r["peak_tree_rss_bytes"])),
+    ]
+    names = [n if n != "Ray Serve" else f"Ray Serve x{replicas}" for n in runs]
+    lines = [f"{'':<26} " + " ".join(f"{n:>20}" for n in names)]
+    lines += [f"{label:<26} " + " ".join(f"{str(get(r)):>20}" for r in runs.values()) for label, get in rows]
+    lines.append(f"Serve's overhead per request (idle, one token): {overhead} ms")
+    lines.append(f"--kv-memory {mib(kv_memory)} per process (each replica has its own)")
+    return "\n".join(lines)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +198,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
     add_policy_arguments(p)
+    group = p.add_argument_group("Ray Serve (pip install 'infinikv[ray]')")
+    group.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="serve replicas on Ray Serve: auto, HOST:PORT, or no value for a local cluster of this machine",
+    )
+    group.add_argument("--replicas", type=int, default=None, help="replicas, each with its own model and K/V budget")
+    group.add_argument("--replica-cpus", type=float, default=1, help="CPUs per replica (default 1)")
+    group.add_argument(
+        "--replica-gpus", type=float, default=None, help="GPUs per replica (default 1 if the cluster has any)"
+    )
 
 
 def add(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:

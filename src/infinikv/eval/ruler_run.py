@@ -1,20 +1,16 @@
-"""Running the RULER tasks under KV policies: cells, resuming, the leaderboard table.
+"""Running the RULER tasks under KV policies: one cell, and the leaderboard table.
 
 A cell is one (model, policy, budget, task, length): its samples (``ruler.generate``) decoded
 greedily under the policy, a batch of prompts at a time (every prompt of a cell is exactly
-``length`` tokens, so a batch needs no padding), and scored with the task's metric. A cell's
-result row is appended to the results file as soon as it lands; a run given the same file skips
-the cells it already holds (same model, policy spec, task, length, samples, seed and text), so
-an interrupted grid resumes where it stopped.
+``length`` tokens, so a batch needs no padding), and scored with the task's metric. Grids of
+cells, their results file and resuming are ``infinikv.grid``'s.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -22,29 +18,6 @@ from ..bench.plots import budget_label
 from ..core import Batch, Sampling, sample
 from ..policies import Policy
 from .ruler import Sample, score
-
-CELL_KEYS = ("model", "spec", "task", "length", "samples", "seed", "text")  # what makes two rows the same cell
-
-
-def cell_key(row: dict) -> tuple:
-    """The identity of a cell, from a result row (``spec`` as canonical JSON)."""
-    return tuple(json.dumps(row[k], sort_keys=True) if k == "spec" else row[k] for k in CELL_KEYS)
-
-
-def finished_cells(out: Path) -> dict[tuple, dict]:
-    """The rows already in ``out`` (a JSON-lines results file), by cell; a line cut short by an
-    interrupted write is ignored (its cell runs again)."""
-    done: dict[tuple, dict] = {}
-    if not out.exists():
-        return done
-    for line in out.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and all(k in row for k in CELL_KEYS):
-            done[cell_key(row)] = row
-    return done
 
 
 def run_cell(

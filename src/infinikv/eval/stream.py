@@ -12,7 +12,16 @@ import torch
 from tqdm import tqdm
 
 from ..core import Batch
+from ..errors import InfinikvError
 from ..policies import Policy
+
+
+def stream_tokens(tokenizer, text: str, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` tokens of ``text`` (1, tokens); errors if it is shorter."""
+    ids = tokenizer(text[: tokens * 8], return_tensors="pt").input_ids[:, :tokens]
+    if ids.shape[1] < tokens:
+        raise InfinikvError(f"the text has {ids.shape[1]} tokens, fewer than --tokens {tokens}")
+    return ids
 
 
 @torch.inference_mode()

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -88,6 +89,22 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(ServeError(status, message, kind, param, code).body(), status_code=status)
 
 
+class Peers(Protocol):
+    """The other replicas of one deployment (``serve.replicas``): /metrics shows every replica.
+    Both calls block (a thread of their own calls them, not the event loop)."""
+
+    def publish(self, numbers: dict[str, Any]) -> None:
+        """Share this replica's numbers (called every ``PUBLISH_SECONDS``)."""
+        ...
+
+    def gather(self, numbers: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every live replica's numbers by replica name, this one's (``numbers``) fresh."""
+        ...
+
+
+PUBLISH_SECONDS = 1.0
+
+
 def create_app(
     model: torch.nn.Module,
     tokenizer,
@@ -98,18 +115,24 @@ def create_app(
     api_key: str | None = None,
     prefill_chunk: int = 512,
     compile: bool = False,
+    peers: Peers | None = None,
 ) -> FastAPI:
-    """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets."""
+    """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. With
+    ``peers`` the app is one replica of several and its /metrics labels each replica's numbers."""
     context = getattr(model.config, "max_position_embeddings", None) or 2**31
     make_request_policy(default_kv)  # a bad default fails at start, not per request
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["scheduler"] = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile)
+        scheduler = state["scheduler"] = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile)
         state["started"] = time.time()
+        stop = threading.Event()
+        if peers:
+            threading.Thread(target=publish, args=(peers, scheduler, stop), daemon=True).start()
         yield
-        state["scheduler"].close()
+        stop.set()
+        scheduler.close()
 
     app = FastAPI(title="infinikv", lifespan=lifespan)
 
@@ -151,7 +174,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(prometheus(state["scheduler"].snapshot()), media_type="text/plain; version=0.0.4")
+        numbers = state["scheduler"].snapshot()
+        replicas = await asyncio.to_thread(peers.gather, numbers) if peers else {"": numbers}
+        return PlainTextResponse(prometheus(replicas), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -217,6 +242,15 @@ def create_app(
             scheduler.cancel(seq)
 
     return app
+
+
+def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
+    """Share this replica's numbers with its peers every ``PUBLISH_SECONDS`` until ``stop``."""
+    while not stop.wait(PUBLISH_SECONDS):
+        try:
+            peers.publish(scheduler.snapshot())
+        except Exception:  # a board that is gone (the driver left) must not stop the replica
+            pass
 
 
 async def stream(
@@ -320,14 +354,21 @@ def make_request_policy(spec: dict[str, Any]) -> Policy:
         raise ServeError(400, f"kv: {exc}", param="kv") from None
 
 
-def prometheus(numbers: dict[str, Any]) -> str:
-    """The scheduler's numbers in Prometheus' text format."""
+def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
+    """The schedulers' numbers in Prometheus' text format, one sample per replica (labelled
+    ``replica`` unless the server is one process, whose name is "")."""
+
+    def labels(replica: str, **more: str) -> str:
+        pairs = {**more, **({"replica": replica} if replica else {})}
+        return "{" + ",".join(f'{k}="{v}"' for k, v in pairs.items()) + "}" if pairs else ""
+
     lines = [
         "# HELP infinikv_requests_total Requests by outcome (rejected: 400 never fits or 429 queue full).",
         "# TYPE infinikv_requests_total counter",
     ]
     for outcome in ("completed", "cancelled", "failed", "rejected"):
-        lines.append(f'infinikv_requests_total{{outcome="{outcome}"}} {numbers[f"requests_{outcome}"]}')
+        for replica, numbers in replicas.items():
+            lines.append(f"infinikv_requests_total{labels(replica, outcome=outcome)} {numbers[f'requests_{outcome}']}")
     metrics = [
         ("tokens_generated_total", "counter", "Tokens generated.", "tokens_generated"),
         ("tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.", "tokens_per_second"),
@@ -341,13 +382,14 @@ def prometheus(numbers: dict[str, Any]) -> str:
     ]
     for name, kind, help_text, key in metrics:
         lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]
-        lines.append(f"infinikv_{name} {_number(numbers[key])}")
+        lines += [f"infinikv_{name}{labels(replica)} {_number(numbers[key])}" for replica, numbers in replicas.items()]
     lines += [
         "# HELP infinikv_fetch_fraction Mean share of the tokens seen fetched per decode step, by two-tier policy.",
         "# TYPE infinikv_fetch_fraction gauge",
     ]
-    for policy, fraction in sorted(numbers["fetch_fraction"].items()):
-        lines.append(f'infinikv_fetch_fraction{{policy="{policy}"}} {_number(fraction)}')
+    for replica, numbers in replicas.items():
+        for policy, fraction in sorted(numbers["fetch_fraction"].items()):
+            lines.append(f"infinikv_fetch_fraction{labels(replica, policy=policy)} {_number(fraction)}")
     return "\n".join(lines) + "\n"
 
 

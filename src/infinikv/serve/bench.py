@@ -2,8 +2,9 @@
 
 The run stops by itself after ``requests`` requests or ``duration`` seconds, whichever comes
 first (requests still running then are counted as unfinished). It reports requests/s, time to
-first token and inter-token latency (p50/p99), errors and the server's peak RSS, and checks that
-the RSS stayed under the K/V budget plus the model's size.
+first token and inter-token latency (p50/p99), errors, the round trip of a one-token request to
+the idle server, and the peak RSS of the server's largest process (the server, or its largest Ray
+Serve replica), checked against the K/V budget plus the model's size (each replica has both).
 """
 
 from __future__ import annotations
@@ -67,18 +68,26 @@ class Tally:
 
 
 class RssSampler(threading.Thread):
-    """Samples a process's RSS every 50 ms and keeps the peak."""
+    """Samples the RSS of a process and its descendants every 50 ms; keeps the peak of the largest
+    one (the server, or its largest Ray Serve replica) and of them all together."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
-        self.process, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+        self.process, self.peak, self.peak_total, self.done = psutil.Process(pid), 0, 0, threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
             try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
+                tree = [self.process, *self.process.children(recursive=True)]
             except psutil.Error:
                 return
+            sizes = []
+            for process in tree:
+                try:
+                    sizes.append(process.memory_info().rss)
+                except psutil.Error:  # a child that just exited
+                    continue
+            self.peak, self.peak_total = max(self.peak, max(sizes, default=0)), max(self.peak_total, sum(sizes))
             self.done.wait(0.05)
 
 
@@ -170,6 +179,19 @@ async def drive(
     return tally, long_tally, seconds, unfinished
 
 
+def idle_latency(base: str, model: str, requests: int = 10) -> float | None:
+    """Median round trip (ms) of ``requests`` one-token completions sent one after another to an
+    idle server: what the path in front of the model costs a request."""
+    times = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(requests):
+            started = time.perf_counter()
+            body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 1, "temperature": 0}
+            if client.post(f"{base}/v1/completions", json=body).status_code == 200:
+                times.append(time.perf_counter() - started)
+    return percentile_ms(times, 50)
+
+
 def model_bytes(model: str) -> int:
     """Bytes of the model's weight files on disk (what loading it puts in memory, in fp32 here)."""
     from ..models import resolve
@@ -208,7 +230,8 @@ def bench_serve(
         command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     try:
-        _wait_healthy(server, base, log, timeout=180)
+        _wait_healthy(server, base, log, timeout=300)
+        idle = idle_latency(base, model)
         sampler = RssSampler(server.pid)
         sampler.start()
         tally, long_tally, seconds, unfinished = asyncio.run(
@@ -236,7 +259,9 @@ def bench_serve(
         "ttft_p99_ms": percentile_ms(tally.ttft, 99),
         "itl_p50_ms": percentile_ms(tally.itl, 50),
         "itl_p99_ms": percentile_ms(tally.itl, 99),
+        "idle_latency_p50_ms": idle,
         "peak_rss_bytes": sampler.peak,
+        "peak_tree_rss_bytes": sampler.peak_total,
         "kv_memory_bytes": kv_memory,
         "model_bytes": weights,
         "rss_within_budget": sampler.peak < kv_memory + weights,

@@ -1,0 +1,223 @@
+"""Evaluation grids: cells, the worker that runs them, and resuming from a results file.
+
+A cell is one (protocol, model, policy spec, parameters): a P-ctx perplexity, a P-needle run or
+one RULER task at one length. A ``Worker`` loads its model once and runs any cell on it, either
+in the driver's process (``LocalPool``) or as one Ray actor per worker (``cluster.RayPool``);
+either way the driver appends each row to the results file as soon as it lands (``run_grid``),
+and a run given the same file skips the cells it already holds, so an interrupted grid resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+# What makes two rows the same cell, besides model and policy spec. Options (``Cell.options``:
+# batch size, compiled steps) change how a cell runs, not what it measures.
+PROTOCOLS: dict[str, tuple[str, ...]] = {
+    "P-ctx": ("text", "context", "continuation"),
+    "P-needle": ("text", "context", "needles", "seed"),
+    "RULER": ("task", "length", "samples", "seed", "text"),
+    "P-stream": ("text", "tokens", "chunk", "window"),
+    "recall": ("text", "context", "steps"),
+}
+METRICS = {
+    "P-ctx": "perplexity",
+    "P-needle": "accuracy",
+    "RULER": "accuracy",
+    "P-stream": "perplexity",
+    "recall": "recall",
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    protocol: str
+    model: str
+    spec: dict[str, Any]
+    params: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.protocol, self.model, self.spec, self.params], sort_keys=True)
+
+    def identity(self) -> dict[str, Any]:
+        """What a result row carries so that ``row_key`` finds its cell again."""
+        return {"protocol": self.protocol, "model": self.model, "spec": self.spec, **self.params}
+
+
+def row_key(row: Any) -> str | None:
+    """The key of the cell a result row came from; None for a row of no known cell."""
+    keys = PROTOCOLS.get(row.get("protocol")) if isinstance(row, dict) else None
+    if keys is None or any(k not in row for k in ("model", "spec", *keys)):
+        return None
+    return Cell(row["protocol"], row["model"], row["spec"], {k: row[k] for k in keys}).key
+
+
+def finished(out: Path) -> dict[str, dict]:
+    """The rows already in ``out`` by cell key; a line cut short by an interrupted write is
+    ignored (its cell runs again)."""
+    done: dict[str, dict] = {}
+    if not out.exists():
+        return done
+    for line in out.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if (key := row_key(row)) is not None:
+            done[key] = row
+    return done
+
+
+def append_row(out: Path, row: dict) -> None:
+    """Append ``row`` as one JSON line, on a line of its own even after a write cut short."""
+    with out.open("ab+") as f:
+        cut = f.tell() > 0 and f.seek(-1, 2) >= 0 and f.read(1) != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(row) + "\n").encode())
+
+
+class Worker:
+    """One model, loaded once, and the inputs of the cells it ran (a RULER task's samples are
+    generated once for every policy that runs it)."""
+
+    def __init__(
+        self, model: str, device: str = "cpu", threads: int | None = None, progress: bool = False, loaded=None
+    ):
+        import torch
+
+        from . import models
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.name, self.progress = model, progress
+        self.model, self.tokenizer = loaded or models.load_model(model, device=device)
+        self.inputs: dict[tuple, Any] = {}
+
+    def run(self, cell: Cell) -> dict:
+        from .policies import parse_spec
+
+        if cell.model != self.name:
+            raise ValueError(f"a worker of {self.name} was given a cell of {cell.model}")
+        policy = parse_spec(cell.spec)
+        if policy.needs_preparation:
+            policy.prepare(self.model, self.tokenizer)  # loads the calibration the driver saved
+        return {**RUNNERS[cell.protocol](self, policy, **cell.params, **cell.options), **cell.identity()}
+
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        if key not in self.inputs:
+            self.inputs[key] = make()
+        return self.inputs[key]
+
+    def text(self, name: str, from_chapter_one: bool = True) -> str:
+        from . import data
+
+        return self.cached(("text", name, from_chapter_one), lambda: data.load_text(name, from_chapter_one))
+
+
+def _context(worker: Worker, policy, text: str, context: int, continuation: int, compile: bool = False) -> dict:
+    from .eval.ppl import context_tokens, perplexity
+
+    key = ("P-ctx", text, context, continuation)
+    ids = worker.cached(key, lambda: context_tokens(worker.tokenizer, worker.text(text), context, continuation))
+    return perplexity(worker.model, ids, policy, context, worker.progress, compile=compile and policy.compilable)
+
+
+def _needle(worker: Worker, policy, text: str, context: int, needles: int, seed: int) -> dict:
+    from .eval.needle import needle_accuracy, needle_cases
+
+    key = ("P-needle", text, context, needles, seed)
+    cases = worker.cached(key, lambda: needle_cases(worker.tokenizer, worker.text(text), context, needles, seed))
+    return needle_accuracy(worker.model, worker.tokenizer, cases, policy, worker.progress)
+
+
+def _ruler(worker: Worker, policy, task: str, length: int, samples: int, seed: int, text: str, batch_size: int) -> dict:
+    from .engine import end_of_sequence_ids
+    from .eval import ruler
+    from .eval.ruler_run import run_cell
+
+    def generate() -> list:
+        haystack = worker.text(text) if ruler.TASKS[task].haystack == "text" else None
+        trained = getattr(worker.model.config, "max_position_embeddings", None)
+        return ruler.generate(task, worker.tokenizer, haystack, length, samples, seed, max_context=trained)
+
+    prompts = worker.cached(("RULER", task, length, samples, seed, text), generate)
+    stop_ids = sorted(end_of_sequence_ids(worker.model, worker.tokenizer))
+    with tqdm(
+        total=samples, desc=f"{task} {policy.label()}", unit="sample", disable=not worker.progress, leave=False
+    ) as bar:
+        return run_cell(worker.model, worker.tokenizer, prompts, policy, stop_ids, batch_size, bar)
+
+
+def _stream(worker: Worker, policy, text: str, tokens: int, chunk: int, window: int) -> dict:
+    from .eval.stream import stream, stream_tokens
+
+    ids = worker.cached(
+        ("P-stream", text, tokens), lambda: stream_tokens(worker.tokenizer, worker.text(text, False), tokens)
+    )
+    return stream(worker.model, ids, policy, chunk, window, worker.progress)
+
+
+def _recall(worker: Worker, policy, text: str, context: int, steps: int) -> dict:
+    from .eval.ppl import context_tokens
+    from .eval.recall import attention_recall
+
+    key = ("recall", text, context, steps)
+    ids = worker.cached(key, lambda: context_tokens(worker.tokenizer, worker.text(text), context, steps))
+    return attention_recall(worker.model, ids[:, : context + steps], policy, context, worker.progress)
+
+
+RUNNERS: dict[str, Callable[..., dict]] = {
+    "P-ctx": _context,
+    "P-needle": _needle,
+    "RULER": _ruler,
+    "P-stream": _stream,
+    "recall": _recall,
+}
+
+
+class Pool(Protocol):
+    def run(self, cells: list[Cell]) -> Iterator[tuple[Cell, dict]]:
+        """Each cell's row, in the order they finish."""
+        ...
+
+
+class LocalPool:
+    """The cells one after another in this process."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def run(self, cells: list[Cell]) -> Iterator[tuple[Cell, dict]]:
+        for cell in cells:
+            yield cell, self.worker.run(cell)
+
+
+def run_grid(
+    cells: Iterable[Cell], out: Path, pool: Callable[[], Pool], describe: Callable[[dict], str], progress: bool = True
+) -> list[dict]:
+    """Every cell's row in the cells' order: those ``out`` already holds, then the others run by
+    ``pool()`` (only made when there is work), each appended to ``out`` the moment it lands."""
+    cells = list(cells)
+    done = finished(out)
+    todo = [c for c in cells if c.key not in done]
+    print(
+        f"{len(cells) - len(todo)} of {len(cells)} cells already in {out}; give --out {out} again to resume",
+        file=sys.stderr,
+    )
+    rows: dict[str, dict] = {}
+    if todo:
+        with tqdm(total=len(todo), unit="cell", desc="cells", disable=not progress, position=0) as bar:
+            for cell, row in pool().run(todo):
+                append_row(out, row)
+                rows[cell.key] = row
+                bar.write(f"  done: {describe(row)}", file=sys.stderr)
+                bar.update()
+    return [rows.get(c.key) or done[c.key] for c in cells]
