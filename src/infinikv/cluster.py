@@ -57,7 +57,7 @@ def connect(address: str) -> Callable[[], None]:
             ray.init(address=address, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = "start a local Ray cluster" if address == LOCAL else f"reach the Ray cluster at {address}"
-        raise InfinikvError(f"cannot {where}: {first_line(exc)}") from None
+        raise InfinikvError(f"cannot {where}: {error_line(exc)}") from None
     # Ray's handler dumps a stack trace on SIGTERM and exits; stop as on Ctrl-C instead, so that
     # the driver leaves the cluster (and stops a local one) on its way out.
     before = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -70,7 +70,9 @@ def connect(address: str) -> Callable[[], None]:
     return leave
 
 
-def first_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's text: the error itself, under the traceback that
+    Ray's exceptions carry."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:300]
 
@@ -118,9 +120,9 @@ class RayPool:
                 except ray.exceptions.RayTaskError as exc:
                     if isinstance(exc.cause, InfinikvError):
                         raise InfinikvError(str(exc.cause)) from None
-                    raise InfinikvError(f"a Ray worker failed on a {cell.protocol} cell: {first_line(exc)}") from None
+                    raise InfinikvError(f"a Ray worker failed on a {cell.protocol} cell: {error_line(exc)}") from None
                 except ray.exceptions.RayError as exc:
-                    raise InfinikvError(f"a Ray worker was lost: {first_line(exc)}") from None
+                    raise InfinikvError(f"a Ray worker was lost: {error_line(exc)}") from None
                 yield cell, row
         finally:
             for actor in self.actors:

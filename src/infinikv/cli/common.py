@@ -7,10 +7,12 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .. import models
+from ..cluster import INSTALL, LOCAL
 from ..errors import InfinikvError
 from ..grid import METRICS, Cell, LocalPool, Worker, run_grid
 from ..grid import append_row as append_row  # the results files of every command
@@ -144,7 +146,7 @@ def counts(text: str, flag: str) -> list[int]:
 
 
 def grid(args: argparse.Namespace) -> list[Policy]:
-    check_ray_arguments(args)
+    check_ray_flags(args)
     names = split_policies(args.policies)
     return [parse_spec(spec) for spec in specs(args, names, floats(args.budgets, "--budgets"))]
 
@@ -184,20 +186,22 @@ def results_file(args: argparse.Namespace, kind: str) -> Path:
     return out
 
 
-def check_ray_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad Ray flags, and ``--ray`` without Ray installed, before anything loads."""
+def check_ray_flags(args: argparse.Namespace, unit: str = "worker", serve: bool = False) -> None:
+    """Refuse bad Ray flags (``--{unit}s``, ``--{unit}-cpus``, ``--{unit}-gpus`` without ``--ray``
+    or out of range), and ``--ray`` without Ray installed, before anything loads."""
     if not hasattr(args, "ray"):
         return
+    count, cpus, gpus = getattr(args, f"{unit}s"), getattr(args, f"{unit}_cpus"), getattr(args, f"{unit}_gpus")
     if args.ray is None:
-        given = [f for f, v in (("--workers", args.workers), ("--worker-gpus", args.worker_gpus)) if v is not None]
+        given = [flag for flag, value in ((f"--{unit}s", count), (f"--{unit}-gpus", gpus)) if value is not None]
         if given:
             raise InfinikvError(f"{given[0]} needs --ray")
         return
-    if (args.workers is not None and args.workers < 1) or args.worker_cpus <= 0 or (args.worker_gpus or 0) < 0:
-        raise InfinikvError("--workers must be at least 1, --worker-cpus positive, --worker-gpus >= 0")
+    if (count is not None and count < 1) or cpus <= 0 or (gpus or 0) < 0:
+        raise InfinikvError(f"--{unit}s must be at least 1, --{unit}-cpus positive, --{unit}-gpus >= 0")
     from ..cluster import import_ray
 
-    import_ray(args.ray)
+    import_ray(args.ray, serve)
 
 
 def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tokenizer) -> list[dict]:
@@ -215,7 +219,7 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
 
     leave = connect(args.ray)
     try:
-        pool = lambda: RayPool(args.model, args.workers, args.worker_cpus, args.worker_gpus)  # noqa: E731
+        pool = partial(RayPool, args.model, args.workers, args.worker_cpus, args.worker_gpus)
         return run_grid(cells, out, pool, describe, not args.quiet)
     finally:
         leave()
@@ -269,17 +273,23 @@ def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: 
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--ray [ADDRESS]`` and the shape of its workers, for commands that run a grid of cells."""
-    group = parser.add_argument_group("Ray (pip install 'infinikv[ray]')")
+def add_ray_flag(parser: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:
+    """``--ray [ADDRESS]`` in a group of its own (returned, for the command's other Ray flags)."""
+    group = parser.add_argument_group(f"Ray ({INSTALL})")
     group.add_argument(
         "--ray",
         nargs="?",
-        const="local",
+        const=LOCAL,
         default=None,
         metavar="ADDRESS",
-        help="run the cells on a Ray cluster: auto, HOST:PORT, or no value for a local cluster of this machine",
+        help=f"{what}: auto, HOST:PORT, or no value for a local cluster of this machine",
     )
+    return group
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and the shape of its workers, for commands that run a grid of cells."""
+    group = add_ray_flag(parser, "run the cells on a Ray cluster")
     group.add_argument(
         "--workers",
         type=int,

@@ -7,23 +7,23 @@ import json
 import sys
 
 from .. import models
+from ..cluster import LOCAL
 from ..errors import InfinikvError
-from .common import add_model_argument, add_policy_arguments, given_options, mib, single_policy
+from .common import (
+    add_model_argument,
+    add_policy_arguments,
+    add_ray_flag,
+    check_ray_flags,
+    given_options,
+    mib,
+    single_policy,
+)
 
 
 def check(args: argparse.Namespace) -> None:
     if args.max_queue < 0 or (args.threads is not None and args.threads < 1) or args.prefill_chunk < 1:
         raise InfinikvError("--max-queue must be >= 0, --threads and --prefill-chunk at least 1")
-    if args.ray is None:
-        given = [f for f, v in (("--replicas", args.replicas), ("--replica-gpus", args.replica_gpus)) if v is not None]
-        if given:
-            raise InfinikvError(f"{given[0]} needs --ray")
-        return
-    if (args.replicas is not None and args.replicas < 1) or args.replica_cpus <= 0 or (args.replica_gpus or 0) < 0:
-        raise InfinikvError("--replicas must be at least 1, --replica-cpus positive, --replica-gpus >= 0")
-    from ..cluster import import_ray
-
-    import_ray(args.ray, serve=True)
+    check_ray_flags(args, "replica", serve=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -109,7 +109,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             serve_args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     ray_args = []
     if args.ray is not None:
-        ray_args = ["--ray"] + ([] if args.ray == "local" else [args.ray]) + ["--replicas", str(args.replicas or 1)]
+        ray_args = ["--ray"] + ([] if args.ray == LOCAL else [args.ray]) + ["--replicas", str(args.replicas or 1)]
         ray_args += ["--replica-cpus", str(args.replica_cpus)]
         ray_args += ["--replica-gpus", str(args.replica_gpus)] if args.replica_gpus is not None else []
     load = (args.clients, args.requests, args.max_tokens, args.duration)
@@ -198,15 +198,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
     add_policy_arguments(p)
-    group = p.add_argument_group("Ray Serve (pip install 'infinikv[ray]')")
-    group.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="serve replicas on Ray Serve: auto, HOST:PORT, or no value for a local cluster of this machine",
-    )
+    group = add_ray_flag(p, "serve replicas on Ray Serve")
     group.add_argument("--replicas", type=int, default=None, help="replicas, each with its own model and K/V budget")
     group.add_argument("--replica-cpus", type=float, default=1, help="CPUs per replica (default 1)")
     group.add_argument(

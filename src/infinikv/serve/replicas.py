@@ -114,13 +114,15 @@ def serve_replicas(
     try:
         serve.run(deployment.bind(model_name, board, device, threads or max(1, int(cpus)), app_options), name=APP)
     except Exception as exc:  # a replica that cannot start (a missing model) fails the deployment
-        from ..cluster import first_line
+        from ..cluster import error_line
 
-        why = first_line(exc)
+        why = error_line(exc)
         try:
-            why = first_line(RuntimeError(serve.status().applications[APP].deployments[APP].message)) or why
-        except Exception:  # the status is a better message when there is one, not a must
-            pass
+            status = serve.status().applications[APP].deployments[APP].message
+        except Exception:  # the deployment's status says why a replica failed; a must it is not
+            status = ""
+        if status.strip():
+            why = error_line(RuntimeError(status))
         serve.delete(APP)
         raise InfinikvError(f"the replicas did not start: {why}") from None
     print(
