@@ -77,10 +77,9 @@ def error_line(exc: BaseException) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
-def cluster_gpus() -> float:
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0)
+def gpus_each(given: float | None, total: dict[str, float]) -> float:
+    """GPUs for one worker or replica: as given, else 1 on a cluster (``total``) with GPUs, else 0."""
+    return (1 if total.get("GPU", 0) else 0) if given is None else given
 
 
 class RayPool:
@@ -91,7 +90,7 @@ class RayPool:
         import ray
 
         total = ray.cluster_resources()
-        gpus = (1 if total.get("GPU", 0) else 0) if gpus is None else gpus
+        gpus = gpus_each(gpus, total)
         if workers is None:
             workers = max(1, int(total.get("CPU", 1) // max(cpus, 1e-9)))
         if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):

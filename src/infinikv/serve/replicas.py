@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from ..cluster import error_line, gpus_each
 from ..errors import InfinikvError
 from .app import PUBLISH_SECONDS, create_app
 
@@ -92,7 +93,7 @@ def serve_replicas(
     """Deploy ``replicas`` replicas behind Serve's HTTP proxy on host:port and block until
     SIGINT or SIGTERM, then remove the deployment (a local cluster goes with the driver)."""
     total = ray.cluster_resources()
-    gpus = (1 if total.get("GPU", 0) else 0) if gpus is None else gpus
+    gpus = gpus_each(gpus, total)
     if replicas * cpus > total.get("CPU", 0) or replicas * gpus > total.get("GPU", 0):
         raise InfinikvError(
             f"{replicas} replicas of {cpus:g} CPUs and {gpus:g} GPUs do not fit the cluster's "
@@ -114,8 +115,6 @@ def serve_replicas(
     try:
         serve.run(deployment.bind(model_name, board, device, threads or max(1, int(cpus)), app_options), name=APP)
     except Exception as exc:  # a replica that cannot start (a missing model) fails the deployment
-        from ..cluster import error_line
-
         why = error_line(exc)
         try:
             status = serve.status().applications[APP].deployments[APP].message
