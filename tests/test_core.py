@@ -69,7 +69,7 @@ def test_infinigen_reads_the_device_once_per_sparse_layer(real, emma_ids):
         for i in range(101, 104):
             batch.step(emma_ids[:, i])
     reads = {e.key: e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense"}
-    sized = [layer for layer in batch.cache.layers if layer.fetcher is not None and layer.fetcher.rule["mass"] < 1]
+    sized = [layer for layer in batch.cache.layers if layer.tiers and layer.tiers.selection.rule["mass"] < 1]
     assert 0 < len(sized) <= 30 and reads == {"aten::_local_scalar_dense": 3 * len(sized)}
 
 
@@ -116,7 +116,7 @@ def test_compiling_a_growing_cache_is_refused(tiny):
 def test_a_budget_fraction_is_of_the_whole_prompt_however_it_is_chunked(tiny):
     batch = Batch(tiny, make_policy("bct", budget=0.5))
     batch.prefill([list(range(3, 43))], pad_id=0, chunk=8)
-    assert all(layer.capacities == [20] and layer.slots.held == [20] for layer in batch.cache.layers)
+    assert all(layer.evictor.capacities == [20] and layer.slots.held == [20] for layer in batch.cache.layers)
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""InfiniGen: selection semantics, exact skewing, the two tiers and their ledger, overlap."""
+"""InfiniGen: selection semantics, calibration, the two tiers and their ledger, overlap."""
 
 import math
 from itertools import pairwise
@@ -10,8 +10,9 @@ from transformers import OPTConfig, OPTForCausalLM
 from infinikv import Batch, attach, make_policy
 from infinikv.errors import InfinikvError
 from infinikv.eval.recall import attention_recall
-from infinikv.policies.infinigen import MASS_GRID, calibrate, chosen_mass, skew
-from infinikv.speculation import pair_scores, pairs_to_columns, partial_query, select_by_mass, select_tokens
+from infinikv.kv.speculation import pair_scores, pairs_to_columns, partial_query, select_by_mass, select_tokens
+from infinikv.policies.calibration import MASS_GRID, calibrate, chosen_mass
+from infinikv.preparation import ensure_prepared
 
 
 def test_threshold_keeps_tokens_within_alpha_of_the_max():
@@ -118,29 +119,10 @@ def opt():
     return attach(OPTForCausalLM(config).eval())
 
 
-@torch.inference_mode()
-def test_skew_folding_leaves_opt_logits_unchanged(opt):
-    ids = torch.randint(0, 100, (1, 64))
-    before = opt(input_ids=ids).logits
-    layer = opt.model.decoder.layers[1].self_attn
-    x = torch.randn(1, 64, 64)
-    energy_before = layer.q_proj(x).view(64, 4, 16)[:, 0].pow(2).mean(0)
-    skew(opt, ids)
-    assert (opt(input_ids=ids).logits - before).abs().max() < 1e-4
-    energy_after = layer.q_proj(x).view(64, 4, 16)[:, 0].pow(2).mean(0)
-    top = lambda e: float(e.sort(descending=True).values[:4].sum() / e.sum())  # noqa: E731
-    assert top(energy_after) > top(energy_before)  # skewing concentrates the query in few columns
-
-
-def test_skewing_refuses_rope_models(tiny):
-    with pytest.raises(InfinikvError, match="RoPE"):
-        skew(tiny, torch.randint(0, 128, (1, 8)))
-
-
 def infinigen(real, **params):
     model, tokenizer = real
     policy = make_policy("infinigen", **params)
-    policy.prepare(model, tokenizer)
+    ensure_prepared(policy, model, tokenizer)
     return policy
 
 
@@ -290,14 +272,14 @@ def test_bounded_pool(real, emma_ids, eviction):
     batch = Batch(model, infinigen(real, pool_capacity=64, eviction=eviction))
     layer = batch.cache.layers[5]
     decisions = []
-    scores = layer.rule.scores
+    scores = layer.evictor.rule.scores
 
     def spy(slots, at):
         out = scores(slots, at)
         decisions.append((out.clone(), slots.state["valid"][:, :, : at.length].clone()))
         return out
 
-    layer.rule.scores = spy
+    layer.evictor.rule.scores = spy
     dropped = []
     drop = layer.slots.drop
     layer.slots.drop = lambda victims, take=None: (dropped.append(victims.clone()), drop(victims, take))
@@ -316,7 +298,7 @@ def test_bounded_pool(real, emma_ids, eviction):
             assert valid[0, head, victim] and float(score[0, head, victim]) == float(
                 score[0, head][valid[0, head]].min()
             )
-    columns = layer.fetcher.columns
+    columns = layer.tiers.selection.columns
     stored, held = layer.slots.keys, state["valid"]
     expected = stored.gather(-1, columns[None, :, None, :].expand(1, -1, stored.shape[2], -1))
     assert torch.equal(state["partial"][held], expected[held])
@@ -337,3 +319,33 @@ def test_eviction_needs_a_pool():
         make_policy("infinigen", eviction="lru")
     with pytest.raises(InfinikvError, match="eviction"):
         make_policy("infinigen", pool_capacity=0.8, eviction="random")
+
+
+def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder, tmp_path):
+    """The coverage curves depend on the partial ratio, the cap and the residents: a calibration
+    records them, a policy with other values gets its own, and one whose record differs is redone."""
+    import json
+    import shutil
+
+    from infinikv import load_model
+
+    folder = shutil.copytree(tiny_folder, tmp_path / "model")
+    model, tokenizer = load_model(str(folder))
+    default = make_policy("infinigen")
+    assert "calibrated" in ensure_prepared(default, model, tokenizer, tokens=64)
+    path = folder / "infinikv-infinigen.json"
+    fit = {"partial_ratio": 0.3, "max_fetch": 0.2, "keep_first": 4, "keep_recent": 32}
+    assert json.loads(path.read_text())["fit"] == fit
+    assert ensure_prepared(make_policy("infinigen"), model, tokenizer) is None  # the same options: loaded
+    other = make_policy("infinigen", partial_ratio=0.5)
+    assert "calibrated" in ensure_prepared(other, model, tokenizer, tokens=64)
+    assert other.prep["fit"] == {**fit, "partial_ratio": 0.5}
+    assert json.loads((folder / "infinikv-infinigen-r0.5-f0.2-4-32.json").read_text())["fit"] == other.prep["fit"]
+    assert json.loads(path.read_text())["fit"] == fit  # the default's is untouched
+    # a rule that reads no curves takes any calibration: the default's
+    assert ensure_prepared(make_policy("infinigen", select="alpha", partial_ratio=0.5), model, tokenizer) is None
+    edited = json.loads(path.read_text())
+    edited["fit"]["max_fetch"] = 0.5  # a record that does not match the options asked for
+    path.write_text(json.dumps(edited))
+    assert "calibrated" in ensure_prepared(make_policy("infinigen"), model, tokenizer, tokens=64)
+    assert json.loads(path.read_text())["fit"] == fit

@@ -48,7 +48,7 @@ def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
     from infinikv.core import step_together
     from infinikv.data import load_text
     from infinikv.policies import REGISTRY
-    from infinikv.policies.infinigen import calibrate
+    from infinikv.policies.calibration import calibrate
 
     model, tokenizer = load_model(name)
     ids = tokenizer(load_text("austen:emma", from_chapter_one=True)[:8000], return_tensors="pt").input_ids

@@ -11,7 +11,8 @@ from infinikv import Batch, make_policy, policy_names
 from infinikv.errors import InfinikvError
 from infinikv.kv.slots import Slots
 from infinikv.policies import REGISTRY
-from infinikv.policies.infinigen import calibrate
+from infinikv.policies.calibration import calibrate
+from infinikv.preparation import ensure_prepared
 
 ALL = policy_names()
 BOUNDED = [name for name in ALL if REGISTRY[name].takes_budget]
@@ -39,7 +40,7 @@ def prepared(policy, model, tokenizer=None):
         if tokenizer is None:
             policy.prep = calibrate(model, torch.randint(0, model.config.vocab_size, (1, 64)), progress=False)
         else:
-            policy.prepare(model, tokenizer)
+            ensure_prepared(policy, model, tokenizer)
     return policy
 
 
@@ -125,12 +126,18 @@ def one_layer(policy, q: int, keys: torch.Tensor):
     return layer
 
 
+def evict(layer):
+    """The eviction stage of ``layer``'s current forward, run on its own (without attention)."""
+    plan = layer.plan
+    layer.evictor.evict(layer.slots, layer.positions[:, -1], plan.eviction, plan.write.length)
+
+
 def test_h2o_keeps_the_heaviest_hitters_and_the_recent_tokens():
     """On the real layer object with known attention: the kept set is exactly top-score + recent."""
     layer = one_layer(make_policy("h2o", capacity=6, recent_ratio=0.5), 10, torch.randn(1, 2, 10, 4))
     scores = torch.tensor([[5.0, 0.1, 4.0, 0.2, 3.0, 0.3, 0.4, 9.0, 0.5, 0.6], [0.0] * 9 + [1.0]])
-    layer.rule.observe(layer.slots, scores[None], scores[None])
-    layer.evict()
+    layer.evictor.rule.observe(layer.slots, scores[None], scores[None])
+    evict(layer)
     assert layer.slots.held == [6]
     state = layer.slots.state
     kept = [sorted(state["position"][0, h][state["valid"][0, h]].tolist()) for h in range(2)]

@@ -8,9 +8,10 @@ import pytest
 from infinikv.cli import main
 from infinikv.engine import end_of_sequence_ids
 from infinikv.eval import ruler
-from infinikv.eval.ruler_run import leaderboard, run_cell, summary
+from infinikv.eval.ruler_run import run_cell
 from infinikv.grid import finished
 from infinikv.policies import parse_spec
+from infinikv.results import leaderboard, summary
 
 KEYS = {"model", "policy", "budget", "task", "length", "accuracy", "samples"}
 

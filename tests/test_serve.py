@@ -111,7 +111,9 @@ def test_kv_policy_per_request(client):
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"kv": {"policy": "sink", "capacity": 8}}
     )
     assert full.kv["policy"] == "full" and sink.kv["policy"] == "sink" and sink.kv["capacity"] == 8
-    assert sink.kv["kv_bytes"] == 8 * PER_TOKEN < full.kv["kv_bytes"] / 4
+    # peak K/V: the prompt is held whole until the prefill evicts; full then keeps the 3 tokens fed
+    assert sink.kv["kv_bytes"] == sink.usage.prompt_tokens * PER_TOKEN
+    assert full.kv["kv_bytes"] == (full.usage.prompt_tokens + 3) * PER_TOKEN
     with pytest.raises(openai.BadRequestError, match="unknown policy"):
         client.completions.create(model=MODEL, prompt="Hi", extra_body={"kv": {"policy": "nope"}})
 

@@ -6,6 +6,7 @@ from .engine import Generation, generate
 from .errors import InfinikvError
 from .models import load_model
 from .policies import KVCache, Policy, make_policy, parse_spec, policy_names
+from .preparation import ensure_prepared
 
 __all__ = [
     "Batch",
@@ -15,6 +16,7 @@ __all__ = [
     "Policy",
     "Sampling",
     "attach",
+    "ensure_prepared",
     "generate",
     "load_model",
     "make_policy",

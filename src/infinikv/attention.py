@@ -16,8 +16,9 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .cache import GroupedCache, KVCache
+from .modules import attention_modules
 from .policies import parse_spec
-from .policies.layer import GroupedCache, KVCache
 
 NAME = "infinikv"
 POLICY_CONFIG_KEY = "infinikv_policy"  # a model's own policy, saved in its config.json
@@ -78,10 +79,9 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     AttentionInterface.register(NAME, infinikv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and module.__class__.__name__.endswith("Attention"):
-            if _hand_over_cache_layer not in module._forward_pre_hooks.values():
-                module.register_forward_pre_hook(_hand_over_cache_layer, with_kwargs=True)
+    for module in attention_modules(model).values():
+        if _hand_over_cache_layer not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_hand_over_cache_layer, with_kwargs=True)
     if _default_policy_cache not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_default_policy_cache, with_kwargs=True)
     return model

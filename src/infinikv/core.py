@@ -9,7 +9,8 @@ server, every evaluation, ``bench speed``) goes through here.
 
 Before each forward the core tells the cache what is coming (``KVCache.begin``: tokens per row,
 which are padding, their positions), so the cache plans on the host from counts it keeps there,
-and a steady decode step makes no device-to-host synchronisation. With ``compile=True`` the
+and a steady decode step of a one-tier cache makes no device-to-host synchronisation (a two-tier
+cache's selection may read the device; see ``cache.fetch``). With ``compile=True`` the
 decode step of a cache whose shapes are static (``policy.compilable``) runs through
 ``torch.compile`` (inductor with the system C compiler on a CPU, CUDA graphs on a GPU); prefill
 always runs eagerly.
@@ -23,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy
-from .policies.layer import GroupedCache, KVCache, row_slices
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -166,18 +167,18 @@ class Batch:
     # -- rows (the server's continuous batching) ----------------------------------------------
     def append(self, other: Batch) -> None:
         """Take ``other``'s rows (same policy) after this batch's rows."""
-        self.cache.append_rows(other.cache)
+        join(self.cache, other.cache)
         self.next_position = torch.cat([self.next_position, other.next_position])
         self._static = None  # the compiled step's inputs change shape
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order)."""
-        self.cache.keep_rows(rows)
+        keep(self.cache, rows)
         self.next_position = self.next_position[torch.tensor(rows, dtype=torch.long, device=self.device)]
         self._static = None
 
 
-class Reference:
+class DynamicBaseline:
     """transformers' own ``DynamicCache`` (and stock SDPA attention) on one sequence: the
     reference row of ``bench speed``, decoded through the same two calls as a ``Batch``."""
 

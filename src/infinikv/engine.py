@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .contract import REFERENCE
 from .core import Batch, Sampling, sample
 from .errors import InfinikvError
 from .policies import Policy, make_policy
+from .preparation import ensure_prepared
 from .text import Detokenizer
 
 __all__ = ["Generation", "Sampling", "encode_prompts", "end_of_sequence_ids", "generate"]
@@ -84,7 +86,7 @@ def generate(
     model: torch.nn.Module,
     tokenizer,
     prompts: str | list[str],
-    policy: Policy | str = "full",
+    policy: Policy | str = REFERENCE,
     sampling: Sampling | None = None,
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
@@ -102,8 +104,7 @@ def generate(
         policy = make_policy(policy, **policy_options)
     single = isinstance(prompts, str)
     encoded = encode_prompts(tokenizer, [prompts] if single else list(prompts), chat)
-    if policy.needs_preparation:
-        policy.prepare(model, tokenizer)
+    ensure_prepared(policy, model, tokenizer)
     batch = Batch(model, policy, compile=compile, max_length=max(map(len, encoded)) + sampling.max_new_tokens)
     start = time.perf_counter()
     logits = batch.prefill(encoded, tokenizer.pad_token_id)

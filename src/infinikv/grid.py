@@ -103,12 +103,12 @@ class Worker:
 
     def run(self, cell: Cell) -> dict:
         from .policies import parse_spec
+        from .preparation import ensure_prepared
 
         if cell.model != self.name:
             raise ValueError(f"a worker of {self.name} was given a cell of {cell.model}")
         policy = parse_spec(cell.spec)
-        if policy.needs_preparation:
-            policy.prepare(self.model, self.tokenizer)  # loads the calibration the driver saved
+        ensure_prepared(policy, self.model, self.tokenizer)  # loads the calibration the driver saved
         return {**RUNNERS[cell.protocol](self, policy, **cell.params, **cell.options), **cell.identity()}
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:

@@ -20,10 +20,12 @@ import torch
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
+from .contract import REFERENCE
 from .core import Batch, Sampling, sample
 from .engine import end_of_sequence_ids
 from .models import DEFAULT_MODEL, load_model
 from .policies import parse_spec
+from .preparation import ensure_prepared
 
 
 class InfinikvLM(TemplateLM):
@@ -35,7 +37,7 @@ class InfinikvLM(TemplateLM):
     def __init__(
         self,
         pretrained: str = DEFAULT_MODEL,
-        policy: str = "full",
+        policy: str = REFERENCE,
         budget: float | None = None,
         capacity: int | None = None,
         batch_size: int | str = 1,
@@ -55,8 +57,7 @@ class InfinikvLM(TemplateLM):
         if device is None or (device.startswith("cuda") and not torch.cuda.is_available()):
             device = "cpu"  # lm-eval asks for cuda by default; as its own hf model does, fall back
         self.model, self.tokenizer = load_model(pretrained, device=device)
-        if self.policy.needs_preparation:
-            self.policy.prepare(self.model, self.tokenizer)
+        ensure_prepared(self.policy, self.model, self.tokenizer)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # "auto" is not supported: 1
         self.max_gen_toks, self.chunk = int(max_gen_toks), int(chunk)
         self.max_length = getattr(self.model.config, "max_position_embeddings", None) or 2048

@@ -346,12 +346,12 @@ def load_model(
     lm.to(device).eval()
     attach(lm)
     if kv_capacity is not None or update_rule is not None:
-        from .policies import make_policy
+        from .policies.bct import BoundedCache
 
         if kv_capacity is None:
             raise InfinikvError("a bounded-cache model needs a capacity (kv_capacity=TOKENS)")
         set_default_policy(
-            lm, make_policy("bct", capacity=kv_capacity, **({"update_rule": update_rule} if update_rule else {}))
+            lm, BoundedCache(capacity=kv_capacity, **({"update_rule": update_rule} if update_rule else {}))
         )
     return lm, tokenizer
 

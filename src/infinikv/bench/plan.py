@@ -5,8 +5,9 @@ weights and each policy's K/V live (GPU first, the rest in host memory behind PC
 decode tokens/s from bytes alone: a step reads every weight and the K/V a policy touches from
 GPU memory, and copies what lives on the host over PCIe, the two overlapped (FlexGen's
 pipeline), so the slower one sets the pace. Compute only counts when it is slower still. The
-fractions that make the policies differ (InfiniGen's fetched share, H2O's kept share) come from
-our own bench JSON when given, else from the documented defaults below.
+policies and what the planner models of each are the policies' own declared ``cost``
+(``contract.Cost``); the fractions that make them differ (InfiniGen's fetched share, H2O's kept
+share) come from our own bench JSON when given, else from the defaults the policies declare.
 """
 
 from __future__ import annotations
@@ -17,19 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..contract import REFERENCE, Cost
 from ..errors import InfinikvError
+from ..policies import REGISTRY
 
 GB = 1e9
 DTYPE_BYTES = 2  # fp16 weights and K/V, as in the paper's runs
 ACHIEVED = 0.8  # share of a peak bandwidth (HBM or PCIe) that decode kernels and pinned copies reach
 USABLE = 0.9  # share of GPU and host memory left after the CUDA context, activations and fragmentation
-QUANT_BITS, QUANT_GROUP = 4, 64  # quant-4: 4-bit values, an fp16 scale and minimum per 64 values
-DEFAULT_FETCH = 0.1  # InfiniGen's fetched share of the tokens (the paper: "< 10% on average")
-DEFAULT_H2O = 0.2  # H2O's kept share of the tokens
-FRACTIONS = {"infinigen": ("fetch", DEFAULT_FETCH), "h2o": ("keep", DEFAULT_H2O)}  # modelled: what each share is
 PARTIAL_RATIO = 0.3  # InfiniGen's partial weights and partial keys: 30% of each head's dims
 DENSE_LAYERS = 2  # InfiniGen's first layers attend (and fetch) densely
-POLICIES = ("offload", "quant-4", "h2o", "infinigen")
+MODELLED: tuple[Cost, ...] = tuple(cls.cost for cls in REGISTRY.values() if cls.cost is not None)
+FRACTIONS = {cost.name: cost.share for cost in MODELLED if cost.share}  # name: (what the share is, default)
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,15 @@ def fractions_from_bench(rows: list[dict], context: int) -> dict[str, tuple[floa
         return found
     nearest = min({r["context"] for r in rows}, key=lambda c: abs(math.log(c / context)))
     cells = [r for r in rows if r["context"] == nearest]
-    full = next((r for r in cells if r["policy"] == "full"), None)
+    full = next((r for r in cells if r["policy"] == REFERENCE), None)
     for r in cells:
-        if r["policy"] == "infinigen" and "fetched_fraction" in r and "infinigen" not in found:
-            found["infinigen"] = (r["fetched_fraction"], f"bench, context {nearest}, {r.get('label', 'infinigen')}")
-        if r["policy"] == "h2o" and full and "h2o" not in found:
-            found["h2o"] = (r["kv_bytes"] / full["kv_bytes"], f"bench, context {nearest}, budget {r.get('budget')}")
+        name = r["policy"]
+        if name not in FRACTIONS or name in found:
+            continue
+        if FRACTIONS[name][0] == "fetch" and "fetched_fraction" in r:
+            found[name] = (r["fetched_fraction"], f"bench, context {nearest}, {r.get('label', name)}")
+        if FRACTIONS[name][0] == "keep" and full:
+            found[name] = (r["kv_bytes"] / full["kv_bytes"], f"bench, context {nearest}, budget {r.get('budget')}")
     return found
 
 
@@ -155,11 +158,11 @@ def plan(
     host_gb: float,
     batch: int,
     context: int,
-    fetch: float = DEFAULT_FETCH,
-    h2o: float = DEFAULT_H2O,
+    fractions: dict[str, float] | None = None,
     kv_on_host: bool = False,
 ) -> list[dict[str, Any]]:
-    """Project decode tokens/s for each policy; one dict per policy (bytes in B, times in s).
+    """Project decode tokens/s for each modelled policy; one dict per policy (bytes in B, times in
+    s). ``fractions``: each policy's modelled share by name (default: what it declares).
 
     Raises when even the full fp16 K/V of ``batch x context`` tokens does not fit in GPU plus
     host memory next to the weights (``offload`` and ``infinigen`` keep all of it).
@@ -176,19 +179,16 @@ def plan(
             f"on the GPU and host ({USABLE:.0%} of {gpu.memory_gb:g} + {host_gb:g} GB): use a shorter --context, "
             "a smaller --batch or more --host-memory"
         )
-    quant = QUANT_BITS / (8 * DTYPE_BYTES) + 2 / QUANT_GROUP  # packed values + an fp16 scale and min per group
     dense = min(DENSE_LAYERS, model.layers) / model.layers
-    infinigen_read = dense + (1 - dense) * fetch
     partial = PARTIAL_RATIO / 2 * kv + PARTIAL_RATIO * model.layers * model.hidden**2 * DTYPE_BYTES
-    #   policy: (K/V stored, K/V read per step, kept on the GPU besides, share of the tokens attended)
-    cases = {
-        "offload": (kv, kv, 0, 1),
-        "quant-4": (quant * kv, quant * kv, 0, 1),
-        "h2o": (h2o * kv, h2o * kv, 0, h2o),
-        "infinigen": (kv, infinigen_read * kv, partial, infinigen_read),  # partial keys and query weights
-    }
+    shares = {name: default for name, (_, default) in FRACTIONS.items()} | (fractions or {})
     rows = []
-    for name, (stored, read, resident, attended) in cases.items():
+    for cost in MODELLED:
+        name, share = cost.name, shares.get(cost.name, 1.0)
+        # K/V stored, K/V read per step, kept on the GPU besides (partial keys and query weights)
+        stored, read = cost.stores(share, dense) * kv, cost.reads(share, dense) * kv
+        resident = partial if cost.partial else 0
+        attended = 1 if cost.share is None else read / kv  # the share of the tokens attended
         on_gpu = min(weights, max(gpu_room - resident, 0))  # weights first, after what must be resident
         kv_gpu = not kv_on_host and on_gpu == weights and weights + resident + stored <= gpu_room
         host = (weights - on_gpu) + (0 if kv_gpu else stored)

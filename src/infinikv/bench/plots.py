@@ -4,25 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LABEL_PARAMS = ("update_rule", "bits", "alpha")  # the parameters that tell two cells of a policy apart
-
-
-def label(row: dict) -> str:
-    """A policy's name with the parameters that distinguish it, e.g. ``quant bits=4`` (the row's own
-    label when it has one: the options given by hand)."""
-    if row.get("label"):
-        return row["label"]
-    extra = " ".join(
-        f"{k}={row[k]:g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in LABEL_PARAMS if k in row
-    )
-    return f"{row['policy']} {extra}".strip()
-
-
-def budget_label(row: dict) -> str:
-    """``label`` with the budget (a fraction) or capacity (tokens) when the policy has one."""
-    if row.get("budget"):
-        return f"{label(row)} {row['budget']:g}"
-    return f"{label(row)} {row['capacity']}t" if row.get("capacity") else label(row)
+from ..results import label, row_label
 
 
 def _pyplot():
@@ -47,8 +29,8 @@ def speed_plot(rows: list[dict], out: Path) -> Path:
     """ms per decode step by context, each policy with its floor (dashed), and the ratio to full."""
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
-    for i, name in enumerate(dict.fromkeys(budget_label(r) for r in rows)):
-        cells = sorted((r for r in rows if budget_label(r) == name), key=lambda r: r["context"])
+    for i, name in enumerate(dict.fromkeys(row_label(r) for r in rows)):
+        cells = sorted((r for r in rows if row_label(r) == name), key=lambda r: r["context"])
         x = [r["context"] for r in cells]
         color = f"C{i % 10}"
         top.plot(x, [r["ms_per_step"] for r in cells], marker="o", color=color, label=name)
@@ -95,7 +77,7 @@ def perplexity_plot(rows: list[dict], out: Path) -> Path:
 def needle_heatmap(rows: list[dict], out: Path) -> Path:
     """P-needle: pass key found (1) or not (0) by depth (columns) and policy/budget (rows)."""
     plt = _pyplot()
-    names = [budget_label(r) for r in rows]
+    names = [row_label(r) for r in rows]
     depths = [c["depth"] for c in rows[0]["cases"]]
     hits = [[float(c["hit"]) for c in r["cases"]] for r in rows]
     fig, axis = plt.subplots(figsize=(max(6, 2.5 + 0.5 * len(depths)), 1.5 + 0.35 * len(rows)))
@@ -112,8 +94,8 @@ def ruler_heatmap(rows: list[dict], out: Path) -> Path:
     plt = _pyplot()
     lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    names = list(dict.fromkeys(budget_label(r) for r in rows))
-    cells = {(budget_label(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
+    names = list(dict.fromkeys(row_label(r) for r in rows))
+    cells = {(row_label(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
     fig, axes = plt.subplots(
         1, len(lengths), figsize=(1.5 + 0.75 * len(tasks) * len(lengths), 1.8 + 0.4 * len(names)), squeeze=False
     )

@@ -7,7 +7,9 @@ import statistics
 import time
 from pathlib import Path
 
-from .plots import budget_label, label, needle_heatmap, perplexity_plot, ruler_heatmap, speed_plot
+from ..contract import REFERENCE
+from ..results import label, leaderboard, row_label
+from .plots import needle_heatmap, perplexity_plot, ruler_heatmap, speed_plot
 
 
 def latest(folder: Path, kind: str) -> Path | None:
@@ -38,13 +40,13 @@ def speed_section(rows: list[dict]) -> list[str]:
     for r in rows:
         ratio = f"{r['ratio_to_full']:.2f}" if r.get("ratio_to_full") else "-"
         lines.append(
-            f"| {r['context']:,} | {budget_label(r)} | {r['ms_per_step']:.1f} | {r['tokens_per_second']:.1f} | {ratio} "
+            f"| {r['context']:,} | {row_label(r)} | {r['ms_per_step']:.1f} | {r['tokens_per_second']:.1f} | {ratio} "
             f"| {r['floor_ms_per_step']:.1f} | {r['efficiency']:.2f} | {_mib(r['kv_bytes'])} "
             f"| {_mib(r['bytes_moved_per_step'])} | {r['peak_rss_bytes'] / 2**20:.0f} |"
         )
     lines += ["", "How far from the floor (median over contexts):", ""]
-    for name in dict.fromkeys(budget_label(r) for r in rows):
-        eff = statistics.median(r["efficiency"] for r in rows if budget_label(r) == name)
+    for name in dict.fromkeys(row_label(r) for r in rows):
+        eff = statistics.median(r["efficiency"] for r in rows if row_label(r) == name)
         lines.append(f"- {name}: {eff:.0%} of the floor's speed ({1 / eff:.1f}x the floor's time)")
     return [*lines, "", "![speed](speed.png)", ""]
 
@@ -55,7 +57,7 @@ def quality_section(rows: list[dict]) -> list[str]:
     needle = [r for r in rows if r.get("protocol") == "P-needle"]
     lines = []
     if ppl:
-        full = next((r["perplexity"] for r in ppl if r["policy"] == "full"), None)
+        full = next((r["perplexity"] for r in ppl if r["policy"] == REFERENCE), None)
         budgets = sorted({r["budget"] for r in ppl if r.get("budget")})
         first = ppl[0]
         lines += [
@@ -91,14 +93,13 @@ def quality_section(rows: list[dict]) -> list[str]:
         ]
         for r in needle:
             found = ", ".join(f"{c['depth']:.2f}" for c in r["cases"] if c["hit"]) or "none"
-            lines.append(f"| {budget_label(r)} | {sum(c['hit'] for c in r['cases'])}/{len(r['cases'])} | {found} |")
+            lines.append(f"| {row_label(r)} | {sum(c['hit'] for c in r['cases'])}/{len(r['cases'])} | {found} |")
         lines += ["", "![P-needle by depth](quality-needle.png)", ""]
     return lines
 
 
 def ruler_section(rows: list[dict]) -> list[str]:
     """RULER: the leaderboard table (accuracy x100 by policy and budget) and the heatmap."""
-    from ..eval.ruler_run import leaderboard
 
     header, lines = leaderboard(rows)
     samples = sorted({r["samples"] for r in rows})

@@ -12,7 +12,8 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from ..core import Batch, Reference
+from ..contract import REFERENCE
+from ..core import Batch, DynamicBaseline
 from ..policies import Policy
 
 
@@ -88,7 +89,7 @@ def kv_bytes_attended(cache) -> float:
     return sum(n * layer.slots.bytes_per_token() for n, layer in zip(counts, cache.layers, strict=True))
 
 
-REFERENCE = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the row to beat
+DYNAMIC = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the row to beat
 
 
 @torch.inference_mode()
@@ -127,16 +128,16 @@ def bench_speed(
 
     for context in contexts:
         length = context + warmup + steps
-        runs: dict[str, tuple[dict, Batch | Reference]] = {}
+        runs: dict[str, tuple[dict, Batch | DynamicBaseline]] = {}
         if reference:
             reference_row = {
-                "policy": REFERENCE,
-                "label": REFERENCE,
+                "policy": DYNAMIC,
+                "label": DYNAMIC,
                 "budget": None,
                 "capacity": None,
                 "compiled": False,
             }
-            runs[REFERENCE] = (reference_row, Reference(model))
+            runs[DYNAMIC] = (reference_row, DynamicBaseline(model))
         for policy in policies:
             for compiled in [False, True] if compile and policy.compilable else [False]:
                 key = repr(policy) + (" compiled" if compiled else "")
@@ -158,7 +159,7 @@ def bench_speed(
                     run.cache.clock.enabled = True  # profile the timed steps (eager runs only)
         medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
         measured = bandwidth or triad.median()
-        full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == "full" and not d["compiled"]), None)
+        full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == REFERENCE and not d["compiled"]), None)
         rss = process.memory_info().rss
         # ru_maxrss is KiB on Linux; the kernel's high-water mark can lag the current RSS by a few pages
         peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)

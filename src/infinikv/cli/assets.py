@@ -8,8 +8,9 @@ from pathlib import Path
 
 from .. import data, models
 from ..errors import InfinikvError
-from ..policies import REGISTRY, make_policy, parse_spec
-from .common import add_model_argument, add_policy_arguments, single_policy
+from ..policies import REGISTRY, make_policy, parse_spec, policy_class
+from ..preparation import ensure_prepared
+from .common import add_model_argument, add_policy_arguments, single_policy, split_policies
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -61,14 +62,18 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    names = [args.policy] if args.policy else [n for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
-    policies = [make_policy(name) if not REGISTRY[name].takes_budget else None for name in names]
+    asked = split_policies(args.policy) if args.policy else []
+    if len(asked) > 1:
+        raise InfinikvError("--policy takes one policy, e.g. infinigen or 'infinigen[partial_ratio=0.5]'")
+    cells = asked or [(n, {}) for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
+    policies = [make_policy(name, **own) if not policy_class(name).takes_budget else None for name, own in cells]
+    names = [name for name, _ in cells]
     model, tokenizer = models.load_model(args.model)
     for name, policy in zip(names, policies, strict=True):
         if policy is None or not policy.needs_preparation:
             print(f"{name}: nothing to prepare")
             continue
-        note = policy.prepare(model, tokenizer, not args.quiet, args.calibration, args.tokens, force=True)
+        note = ensure_prepared(policy, model, tokenizer, not args.quiet, args.calibration, args.tokens, force=True)
         print(note)
     return 0
 
@@ -76,7 +81,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p = sub.add_parser("prepare", help="run the calibration of the policies that need one (saved next to the model)")
     add_model_argument(p)
-    p.add_argument("--policy", default=None, help="prepare this policy only (default: every policy that needs it)")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="prepare this policy only, with its options as in --policies, e.g. 'infinigen[partial_ratio=0.5]' "
+        "(default: every policy that needs it, with its defaults)",
+    )
     p.add_argument("--calibration", default=None, help="calibration text (not an evaluation text; default per policy)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default per policy)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -9,16 +9,17 @@ import time
 from pathlib import Path
 
 from .. import data, models
+from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..grid import PROTOCOLS, Cell
 from ..paths import home
 from ..policies import parse_spec
+from ..results import budget_text
 from .common import (
     add_model_argument,
     add_policy_arguments,
     add_ray_arguments,
     append_row,
-    budget_label,
     counts,
     grid,
     needle_table,
@@ -113,7 +114,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     for r in rows:
         ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
         print(
-            f"{r['context']:>8} {run_label(r):<36} {budget_label(r):>8} {r['ms_per_step']:>9.1f} "
+            f"{r['context']:>8} {run_label(r):<36} {budget_text(r):>8} {r['ms_per_step']:>9.1f} "
             f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
             f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
         )
@@ -142,7 +143,7 @@ def cmd_generation(args: argparse.Namespace) -> int:
 
     if args.window < 2 or args.tokens < args.window:
         raise InfinikvError("--window must be at least 2, and --tokens at least --window")
-    spec = single_policy(args) or {"policy": "full"}
+    spec = single_policy(args) or {"policy": REFERENCE}
     policy = parse_spec(spec)
     model, tokenizer = models.load_model(args.model)
     prepare([policy], model, tokenizer, progress=not args.quiet)
@@ -185,9 +186,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise InfinikvError(f"{flag} must be in (0, 1], got {value}")
     measured = planner.fractions_from_bench(planner.read_rows(args.from_json), args.context) if args.from_json else {}
     fractions = {}
-    for (name, (_, default)), given in zip(
-        planner.FRACTIONS.items(), (args.fetch_fraction, args.h2o_budget), strict=True
-    ):
+    flags = {"fetch": args.fetch_fraction, "keep": args.h2o_budget}  # by what the share is
+    for name, (kind, default) in planner.FRACTIONS.items():
+        given = flags[kind]
         fractions[name] = (given, "given") if given is not None else measured.get(name, (default, "default"))
     rows = planner.plan(
         shape,
@@ -195,8 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.host_memory,
         args.batch,
         args.context,
-        fetch=fractions["infinigen"][0],
-        h2o=fractions["h2o"][0],
+        fractions={name: value for name, (value, _) in fractions.items()},
         kv_on_host=args.kv_on_host,
     )
     if args.replicas < 1:

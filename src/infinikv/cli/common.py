@@ -13,11 +13,14 @@ from typing import Any
 
 from .. import models
 from ..cluster import INSTALL, LOCAL
+from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..grid import METRICS, Cell, LocalPool, Worker, run_grid
 from ..grid import append_row as append_row  # the results files of every command
 from ..paths import home
 from ..policies import Policy, all_options, parse_spec, policy_class, policy_names
+from ..preparation import ensure_prepared
+from ..results import budget_text, reference
 
 GRID_JSON = "print a JSON list, one object per (policy, budget)"
 
@@ -37,7 +40,7 @@ def add_policy_arguments(
     group = parser.add_argument_group("KV policy")
     names = ", ".join(policy_names())
     if grid:
-        fallback = ",".join(policy_names()) if every_policy else default or "full"
+        fallback = ",".join(policy_names()) if every_policy else default or REFERENCE
         group.add_argument(
             "--policy",
             "--policies",
@@ -168,9 +171,7 @@ def prepare(policies: Iterable[Policy], model, tokenizer, text: str | None = Non
     """Run the preparation of the policies that need one (explicitly, before any cache is built),
     and warn when one was calibrated on the text about to be evaluated."""
     for policy in policies:
-        if not policy.needs_preparation:
-            continue
-        note = policy.prepare(model, tokenizer, progress=progress)
+        note = ensure_prepared(policy, model, tokenizer, progress=progress)
         if note:
             print(note, file=sys.stderr)
         if text is not None and policy.prepared_on() == text:
@@ -210,7 +211,7 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
     def describe(row: dict) -> str:
         where = f"{row['task']} at {row['length']}: " if row["protocol"] == "RULER" else ""
         metric = METRICS[row["protocol"]]
-        return f"{where}{row['label']} budget={budget_label(row)} {metric}={row[metric]:.4g}"
+        return f"{where}{row['label']} budget={budget_text(row)} {metric}={row[metric]:.4g}"
 
     if args.ray is None:
         worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer))
@@ -225,17 +226,6 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
         leave()
 
 
-def budget_label(row: dict) -> str:
-    if row.get("budget"):
-        return f"{row['budget']:g}"
-    return f"{row['capacity']}t" if row.get("capacity") else "-"
-
-
-def reference(rows: list[dict], key: str) -> float | None:
-    """The ``full`` row's value: every quality table is relative to the full cache."""
-    return next((r[key] for r in rows if r["policy"] == "full"), None)
-
-
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -246,7 +236,7 @@ def ppl_table(rows: list[dict]) -> str:
     for r in rows:
         delta = f"{100 * (r['perplexity'] / full - 1):+.1f}%" if full else "-"
         lines.append(
-            f"{r['label']:<18} {budget_label(r):>8} {r['perplexity']:>8.3f} {delta:>8} "
+            f"{r['label']:<18} {budget_text(r):>8} {r['perplexity']:>8.3f} {delta:>8} "
             f"{100 * r['attended_fraction']:>8.1f}% {mib(r['kv_bytes']):>11} {r['seconds']:>8.1f}"
         )
     return "\n".join(lines)
@@ -256,7 +246,7 @@ def needle_table(rows: list[dict]) -> str:
     lines = [f"{'policy':<18} {'budget':>8} {'accuracy':>9}  depths hit"]
     for r in rows:
         hits = " ".join(f"{c['depth']:.2f}" if c["hit"] else "  -  " for c in r["cases"])
-        lines.append(f"{r['label']:<18} {budget_label(r):>8} {r['accuracy']:>9.2f}  {hits}")
+        lines.append(f"{r['label']:<18} {budget_text(r):>8} {r['accuracy']:>9.2f}  {hits}")
     return "\n".join(lines)
 
 

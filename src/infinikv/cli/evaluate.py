@@ -11,12 +11,12 @@ from .. import data, models
 from ..errors import InfinikvError
 from ..eval.ruler import TASKS as RULER_TASKS
 from ..grid import Cell
+from ..results import budget_text, summary
 from .common import (
     GRID_JSON,
     add_policy_arguments,
     add_ray_arguments,
     add_run_arguments,
-    budget_label,
     counts,
     grid,
     needle_table,
@@ -65,7 +65,6 @@ def cmd_needle(args: argparse.Namespace) -> int:
 def cmd_ruler(args: argparse.Namespace) -> int:
     from ..bench.plots import ruler_heatmap
     from ..eval import ruler
-    from ..eval.ruler_run import summary
 
     policies = grid(args)
     tasks = ruler.task_names(args.tasks)
@@ -125,7 +124,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'window':>13} " + " ".join(f"{r['label'] + ' ' + budget_label(r):>24}" for r in rows))
+    print(f"{'window':>13} " + " ".join(f"{r['label'] + ' ' + budget_text(r):>24}" for r in rows))
     print(" " * 14 + " ".join(f"{'ppl':>9} {'RSS MiB':>8} {'KV MiB':>6}" for _ in rows))
     for i, window in enumerate(rows[0]["windows"]):
         cells = []
@@ -159,7 +158,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
     print(f"{'policy':<18} {'budget':>8} {'recall':>7} {'oracle':>7} {'attended':>9}")
     for r in rows:
         print(
-            f"{r['label']:<18} {budget_label(r):>8} {r['recall']:>7.3f} {r['oracle_recall']:>7.3f} "
+            f"{r['label']:<18} {budget_text(r):>8} {r['recall']:>7.3f} {r['oracle_recall']:>7.3f} "
             f"{100 * r['attended_fraction']:>8.1f}%"
         )
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import models
+from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..policies import parse_spec
 from .common import add_model_argument, add_policy_arguments, mib, prepare, single_policy
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if any(not p.strip() for p in ([prompts] if isinstance(prompts, str) else prompts)):
         raise InfinikvError("the prompt is empty")
     model, tokenizer = models.load_model(args.model)
-    policy = parse_spec(spec or models.default_policy_spec(model) or {"policy": "full"})
+    policy = parse_spec(spec or models.default_policy_spec(model) or {"policy": REFERENCE})
     prepare([policy], model, tokenizer)
     stream = not args.json and isinstance(prompts, str)
 

@@ -8,6 +8,7 @@ import sys
 
 from .. import models
 from ..cluster import LOCAL
+from ..contract import REFERENCE
 from ..errors import InfinikvError
 from .common import (
     add_model_argument,
@@ -52,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, tokenizer = models.load_model(args.model)
-    spec = spec or models.default_policy_spec(model) or {"policy": "full"}
+    spec = spec or models.default_policy_spec(model) or {"policy": REFERENCE}
     app = create_app(model, tokenizer, args.model, spec, **options)
     print(
         f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "

@@ -14,25 +14,15 @@ import torch
 from tqdm import tqdm
 
 from ..core import Batch
-from ..policies import Policy, make_policy
-
-
-def _query(module: torch.nn.Module, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
-    """A layer's query for its attention input x (1, 1, D), rotated when ``rope`` is given: (1, H, 1, d)."""
-    head_dim = module.head_dim
-    q = module.q_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
-    if rope is None:
-        return q
-    cos, sin = rope
-    first, second = q.chunk(2, dim=-1)
-    return q * cos[:, None] + torch.cat([-second, first], -1) * sin[:, None]
+from ..modules import attention_modules, project
+from ..policies import Policy, reference
 
 
 @torch.inference_mode()
 def attention_recall(model, ids: torch.Tensor, policy: Policy, context: int, progress: bool = True) -> dict:
     """Mean recall and oracle recall per layer over the decode steps ``ids[context:]`` (1, n)."""
-    modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}
-    truth, ours = Batch(model, make_policy("full")), Batch(model, policy)
+    modules = attention_modules(model)
+    truth, ours = Batch(model, reference()), Batch(model, policy)
     captured: dict[int, tuple] = {}
     chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     capturing = [False]
@@ -60,7 +50,7 @@ def attention_recall(model, ids: torch.Tensor, policy: Policy, context: int, pro
                 keys = slots.keys[:, :, : slots.n]  # every token, the current one last, in order
                 n_kv, n = keys.shape[1], keys.shape[2]
                 x, rope = captured[i]
-                q = _query(module, x, rope).view(1, n_kv, -1, keys.shape[-1])
+                q = project(module, x, rope)[0].view(1, n_kv, -1, keys.shape[-1])  # after QK-norm and RoPE
                 probs = (torch.einsum("bhgd,bhnd->bhgn", q, keys) * module.scaling).softmax(-1).mean(2)  # (1, h, n)
                 positions, mask = chosen[i]
                 got = (probs.gather(-1, positions.clamp(max=n - 1)) * mask).sum(-1)  # (1, h)

@@ -1,4 +1,4 @@
-"""Running the RULER tasks under KV policies: one cell, and the leaderboard table.
+"""Running the RULER tasks under KV policies: one cell (its leaderboard table is ``results``'s).
 
 A cell is one (model, policy, budget, task, length): its samples (``ruler.generate``) decoded
 greedily under the policy, a batch of prompts at a time (every prompt of a cell is exactly
@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from ..bench.plots import budget_label
 from ..core import Batch, Sampling, sample
 from ..policies import Policy
 from .ruler import Sample, score
@@ -60,32 +59,3 @@ def run_cell(
             for s, o in zip(samples, outputs, strict=True)
         ],
     }
-
-
-def leaderboard(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The leaderboard's shape: a header and one line per policy and budget, its accuracy (x100)
-    averaged over tasks at each length and over both, then per task (averaged over lengths)."""
-    lengths = sorted({r["length"] for r in rows})
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    cells = {(budget_label(r), r["task"], r["length"]): 100 * r["accuracy"] for r in rows}
-
-    def mean(values: list[float]) -> str:
-        return f"{statistics.fmean(values):.1f}" if values else "-"
-
-    lines = []
-    for name in dict.fromkeys(budget_label(r) for r in rows):
-        by_length = [[cells[name, t, n] for t in tasks if (name, t, n) in cells] for n in lengths]
-        per_task = [[cells[name, t, n] for n in lengths if (name, t, n) in cells] for t in tasks]
-        every = [v for values in by_length for v in values]
-        lines.append([name, *map(mean, by_length), mean(every), *map(mean, per_task)])
-    return ["policy", *(f"{n:,}" for n in lengths), "mean", *tasks], lines
-
-
-def summary(rows: list[dict]) -> str:
-    """``leaderboard`` as a text table."""
-    header, lines = leaderboard(rows)
-    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
-    return "\n".join(
-        " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(line, widths, strict=True)))
-        for line in [header, *lines]
-    )

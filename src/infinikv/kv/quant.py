@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InfinikvError
-from .slots import Slots, StateSpec, Write, expand_to
+from .slots import Slots, StateSpec, Write, put
 
 GROUP = 64  # values per scale/minimum along head_dim (FlexGen's group size)
 SCALES = ("k_scale", "k_min", "v_scale", "v_min")
@@ -100,10 +100,7 @@ class QuantSlots(Slots):
         pv, v_scale, v_min = quantize(value_states, self.bits, self.group)
         where = super().write(write, pk, pv, position, real)
         for name, t in zip(SCALES, (k_scale, k_min, v_scale, v_min), strict=True):
-            if isinstance(where, slice):
-                self.state[name][:, :, where] = t
-            else:
-                self.state[name].scatter_(2, expand_to(where, t), t)
+            put(self.state[name], where, t)
         self._fresh = (where, key_states, value_states)
         return where
 
@@ -114,9 +111,6 @@ class QuantSlots(Slots):
         s = {name: self.state[name][:, :, :length] for name in SCALES}
         dequantize(self.keys[:, :, :length], s["k_scale"], s["k_min"], self.bits, out=keys)
         dequantize(self.values[:, :, :length], s["v_scale"], s["v_min"], self.bits, out=values)
-        for store, new in ((keys, key_states), (values, value_states)):
-            if isinstance(where, slice):
-                store[:, :, where] = new
-            else:
-                store.scatter_(2, expand_to(where, store), new)
+        put(keys, where, key_states)
+        put(values, where, value_states)
         return keys, values

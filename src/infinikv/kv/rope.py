@@ -39,7 +39,7 @@ class RotaryTable:
 
     An offset is split as ``high x 1024 + low`` and the two angles are added with the sum
     formulas, from a fixed table of 1,024 low rows and a table of high rows that grows with the
-    largest offset seen (O(sqrt) of the stream, a few KiB at 32k tokens). Both tables are formed
+    largest offset seen (one row per 1,024 positions: 32 rows at 32k tokens). Both tables are formed
     in float64, so large offsets keep the phase of the fast pairs. One table serves every layer.
     """
 

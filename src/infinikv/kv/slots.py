@@ -165,24 +165,13 @@ class Slots:
         b, h, q, _ = key_states.shape
         valid = True if real is None else real[:, None, :].expand(b, h, q)
         position = position[:, None, :].expand(b, h, q)
-        if write.contiguous:
-            where = slice(write.start, write.start + q)
-            self.keys[:, :, where] = key_states
-            self.values[:, :, where] = value_states
-            self.state["valid"][:, :, where] = valid
-            self.state["position"][:, :, where] = position
-            for name, spec in self.specs.items():
-                self.state[name][:, :, where] = spec.initial
-            return where
-        where = self.free_slots(write)
-        away = where.to(self.keys.device) if self.home is not None else where  # slots of a slow tier
-        for store, new in ((self.keys, key_states), (self.values, value_states)):
-            store.scatter_(2, expand_to(away, store), new.to(store.device) if self.home is not None else new)
-        self.state["valid"].scatter_(2, where, valid if real is not None else torch.ones_like(where, dtype=torch.bool))
-        self.state["position"].scatter_(2, where, position)
+        where = slice(write.start, write.start + q) if write.contiguous else self.free_slots(write)
+        put(self.keys, where, key_states)
+        put(self.values, where, value_states)
+        put(self.state["valid"], where, valid)
+        put(self.state["position"], where, position)
         for name, spec in self.specs.items():
-            t = self.state[name]
-            t.scatter_(2, expand_to(away if spec.with_kv else where, t), spec.initial)
+            put(self.state[name], where, spec.initial)
         return where
 
     def free_slots(self, write: Write) -> torch.Tensor:
@@ -273,6 +262,18 @@ class Slots:
 
     def allocated_bytes(self) -> int:
         return 0 if not self.ready else self.keys.shape[0] * self.allocated * self.bytes_per_token()
+
+
+def put(store: torch.Tensor, where: torch.Tensor | slice, new: torch.Tensor | float) -> None:
+    """Write ``new`` (b, h, q, ...) or one value into ``store`` (b, h, S, ...) at ``where``: a slice
+    of slots (every row the same), or slot indices (b, h, q) (each row its own, scattered). Either
+    may live on another device than ``store`` (a slow tier): they are moved to it."""
+    if isinstance(new, torch.Tensor):
+        new = new.to(store.device)
+    if isinstance(where, slice):
+        store[:, :, where] = new
+    else:
+        store.scatter_(2, expand_to(where.to(store.device), store), new)
 
 
 def expand_to(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

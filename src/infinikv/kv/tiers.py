@@ -19,6 +19,12 @@ import torch
 from .slots import Slots, expand_to
 
 
+def slow_tier(model: torch.nn.Module) -> torch.device | None:
+    """Where the slow tier lives: host memory when the model runs on a GPU, else the same RAM."""
+    device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "cuda" else None
+
+
 @cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)

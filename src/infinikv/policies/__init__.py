@@ -1,29 +1,33 @@
-"""Every KV policy and eviction rule, by name, and the one parser of policy specs.
+"""Every KV policy by name, and the one parser of policy specs.
 
-A policy or a rule is one module of this package that registers itself; importing the package
-imports them all. A *spec* is the JSON form of a policy, ``{"policy": "sink", "budget": 0.2,
-"sinks": 4}``: command-line flags, a request's ``kv`` body and a model's saved config all go
-through ``parse_spec``.
+Each policy is one module of this package; the registry below lists them explicitly, so what is
+registered never depends on which module happened to be imported first. Eviction rules are
+listed the same way in ``rules``. A *spec* is the JSON form of a policy, ``{"policy": "sink",
+"budget": 0.2, "sinks": 4}``: command-line flags, a request's ``kv`` body and a model's saved
+config all go through ``parse_spec``.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
+from ..cache import KVCache, KVLayer
+from ..contract import REFERENCE, Budget, Option, Rule
 from ..errors import InfinikvError
-from .base import RULES, Budget, Option, Policy, Rule, register_rule
-from .layer import KVCache, KVLayer
+from .base import Policy
+from .bct import BoundedCache
+from .full import Full
+from .h2o import HeavyHitters
+from .infinigen import InfiniGen
+from .offload import Offload
+from .quant import Quant
+from .rules import RULES
+from .sink import Sink
 
-REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy available by its ``name``."""
-    REGISTRY[cls.name] = cls
-    return cls
+REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Full, Offload, Quant, Sink, HeavyHitters, BoundedCache, InfiniGen)
+}
 
 
 def policy_names() -> list[str]:
@@ -39,6 +43,11 @@ def policy_class(name: str) -> type[Policy]:
 def make_policy(name: str, budget: float | None = None, capacity: int | None = None, **params: Any) -> Policy:
     """Build a policy by name, e.g. ``make_policy("sink", budget=0.2, sinks=4)``."""
     return policy_class(name)(budget=budget, capacity=capacity, **params)
+
+
+def reference() -> Policy:
+    """The policy every other one is measured against (``full``: every token)."""
+    return make_policy(REFERENCE)
 
 
 BUDGET_KEYS = {"budget": float, "capacity": int}
@@ -64,13 +73,10 @@ def all_options() -> dict[str, Option]:
     return {o.name: o for cls in REGISTRY.values() for o in cls.all_options()}
 
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in ("base", "layer"):
-        importlib.import_module(f"{__name__}.{_module.name}")
-
 __all__ = [
-    "RULES",
+    "REFERENCE",
     "REGISTRY",
+    "RULES",
     "Budget",
     "KVCache",
     "KVLayer",
@@ -82,6 +88,5 @@ __all__ = [
     "parse_spec",
     "policy_class",
     "policy_names",
-    "register",
-    "register_rule",
+    "reference",
 ]

@@ -1,7 +1,7 @@
 """``bct``: Bounded-Cache Transformer (after Yi et al., "A Method for Building Large Language
 Models with Predefined KV Cache Capacity", arXiv 2411.15785). The KV capacity is fixed when the
 cache is built and its storage is allocated once; every new token is admitted and an update rule
-(any registered eviction rule: ``sink-recent``, ``heavy-hitter``, ``tova``, ``merge``, ...)
+(any rule of ``policies.rules``: ``sink-recent``, ``heavy-hitter``, ``tova``, ``merge``)
 decides which slot it displaces, in place, so memory stays constant for any length. Past the
 trained context, kept RoPE keys are renumbered by rank (``--positions auto``).
 """
@@ -12,19 +12,19 @@ from typing import Any
 
 import torch
 
+from ..cache import Evictor, KVLayer
+from ..contract import Budget, Option
 from ..errors import InfinikvError
 from ..kv.rope import Renumbering, rotary_inv_freq
 from ..kv.slots import Slots
-from ..sizes import parse_bytes
-from . import register
-from .base import RULES, Budget, Evicting, Option, bytes_per_token, rule_options, windows
-from .layer import KVLayer
+from ..sizes import bytes_per_token, parse_bytes, windows
+from .base import Evicting
+from .rules import RULES, rule_options
 
 DEFAULT_RULE = "heavy-hitter"
 POSITIONS = ("auto", "rank", "original")
 
 
-@register
 class BoundedCache(Evicting):
     """Fixed KV capacity, allocated once, updated in place by a pluggable rule.
 
@@ -107,7 +107,7 @@ class BoundedCache(Evicting):
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         slots = Slots(size=static, static=static is not None)
         renumbering = None if self.threshold is None else Renumbering(rotary_inv_freq(model, index), self.threshold)
-        return KVLayer(slots, self.make_rule(self.rule_class), self.resolved, renumbering=renumbering, fixed=True)
+        return KVLayer(slots, Evictor(self.make_rule(self.rule_class), self.resolved, True, renumbering))
 
     def static_size(self, model: torch.nn.Module, max_length: int | None) -> int:
         budget = self.resolve(model.config)
@@ -116,10 +116,7 @@ class BoundedCache(Evicting):
         return budget.tokens + 1
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        budget, total = self.resolve(config), prompt_tokens + max_new_tokens
-        if budget.tokens is not None:  # the storage, allocated once (or the prompt, until its eviction)
-            return min(total, max(prompt_tokens, budget.tokens + 1))
-        return min(total, max(prompt_tokens, budget.capacity(prompt_tokens) + 1))
+        return self.resolve(config).worst_case(prompt_tokens, prompt_tokens + max_new_tokens, fixed=True)
 
     def label(self) -> str:
         return self.named(f"{self.name}:{self.params['update_rule']}", ("update_rule",))

@@ -2,19 +2,18 @@
 
 import torch
 
+from ..cache import KVLayer
+from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..kv.slots import Slots
-from . import register
 from .base import Policy
-from .layer import KVLayer
 
 
-@register
 class Full(Policy):
     """Keeps the whole KV cache; takes no budget. Compiled, it needs the longest sequence it will
     see (``max_length``), for which its storage is allocated once."""
 
-    name = "full"
+    name = REFERENCE
     takes_budget = False
     compilable = True
 

@@ -8,286 +8,37 @@ the model bounds to a sliding window keeps its window (``window``) and neither s
 fetches.
 
 For RoPE models the partial columns are whole rotary pairs, chosen per KV head offline
-(``infinikv prepare``), so the partial dot product is exact for the kept pairs. A model with
+(``infinikv prepare``, ``calibration``), so the partial dot product is exact for the kept pairs. A model with
 QK-norm (Gemma 3) normalizes each query head by the RMS of all its columns: speculation
 estimates it from the kept ones (``normalize_partial``, calibrated per column).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..cache import Evictor, KVCache, KVLayer, Selection, TwoTier
+from ..contract import Budget, Cost, Option, Rule, Scoring
 from ..errors import InfinikvError
 from ..kv.rope import rotary_inv_freq
-from ..kv.slots import Slots, StateSpec, expand_to
-from ..speculation import (
-    column_scores,
-    pair_scores,
-    pairs_to_columns,
-    partial_query,
-    select_by_mass,
-    select_tokens,
-    skew_matrices,
-    speculative_scores,
-)
-from . import register
-from .base import Budget, Option, Policy, Rule, Scoring, sliding_window
-from .layer import Fetcher, KVCache, KVLayer
-from .offload import slow_tier
+from ..kv.slots import Slots, StateSpec, put
+from ..kv.speculation import partial_query, select_by_mass, select_tokens, speculative_scores
+from ..kv.tiers import slow_tier
+from ..modules import attention_modules, is_rotary, partial_weights
+from ..sizes import model_shape
+from .base import Policy, Reader
+from .calibration import Fit, calibration_table, chosen_mass, fit_and_save, kept_columns, load, query_norm
 
-PREP_FILE = "infinikv-infinigen.json"
 DEFAULT_CALIBRATION = "austen:persuasion"
 CALIBRATION_TOKENS = 4096
-PREP_VERSION = 2  # 2: the coverage curves of the mass rule
-# the speculated masses whose true coverage calibration measures, per layer
-MASS_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0)
-PARTIAL_RATIO, MAX_FETCH, KEEP_FIRST, KEEP_RECENT, COVERAGE = 0.3, 0.2, 4, 32, 0.92
-CURVE_QUERIES = 128  # decode positions per layer the curves average over
+COVERAGE = 0.92
+DEFAULT_FIT = Fit()  # the option defaults the calibration is measured with
 
 
-def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Each attention module of ``model`` by its layer index."""
-    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}
-
-
-def is_rotary(model: torch.nn.Module) -> bool:
-    return hasattr(model.base_model, "rotary_emb")
-
-
-@torch.inference_mode()
-def attention_inputs(
-    model: torch.nn.Module, ids: torch.Tensor, progress: bool = False
-) -> dict[int, tuple[torch.Tensor, Any]]:
-    """Each layer's attention input x (1, n, D) and RoPE ``(cos, sin)`` (or None) for ``ids`` (1, n)."""
-    from tqdm import tqdm
-
-    captured: dict[int, tuple[torch.Tensor, Any]] = {}
-    modules = attention_modules(model)
-    bar = tqdm(total=len(modules), desc="calibrating", unit="layer", disable=not progress, leave=False)
-
-    def capture(module, args, kwargs):
-        captured[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
-        bar.update(1)
-
-    hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
-    try:
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        bar.close()
-    return captured
-
-
-def queries_and_keys(module: torch.nn.Module, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, ...]:
-    """What ``module`` attends with for its input x (1, n, D): queries (n, H, d) and keys (n, h, d)
-    post-norm and post-RoPE, and the queries' mean square per column before any QK-norm (H, d)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    q = module.q_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
-    k = module.k_proj(x).view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
-    square = q[0].pow(2).mean(1)
-    if getattr(module, "q_norm", None) is not None:
-        q, k = module.q_norm(q), module.k_norm(k)
-    if rope is not None:
-        q, k = apply_rotary_pos_emb(q, k, *rope)
-    return q[0].transpose(0, 1), k[0].transpose(0, 1), square
-
-
-@torch.inference_mode()
-def calibrate(model: torch.nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[str, Any]:
-    """Rank each KV head's rotary pairs (and single columns) by how much of q.k they carry, and
-    measure each layer's coverage curve for the mass rule (``coverage_curve``).
-
-    Runs ``ids`` (1, n) through the model once and uses every layer's post-RoPE queries and
-    keys. Returns ``{"pair_ranking": [layer][kv head][pairs, best first], "column_ranking": ...,
-    "coverage"/"fetched": [layer][one per MASS_GRID]}`` (layer 0, with no layer before it,
-    speculates from its own input), and for a QK-norm model ``"query_square"``: [layer][query
-    head][column], the mean square of its queries before the norm. A sliding-window layer, which
-    never speculates, gets None in each list.
-    """
-    prep: dict[str, Any] = {"pair_ranking": [], "column_ranking": [], "coverage": [], "fetched": []}
-    modules = attention_modules(model)
-    rotary, previous = is_rotary(model), None
-    normed = any(getattr(m, "q_norm", None) is not None for m in modules.values())
-    if normed:
-        prep["query_square"] = []
-    for index, (x, rope) in sorted(attention_inputs(model, ids, progress).items()):
-        module, before, previous = modules[index], previous, x
-        if sliding_window(model.config, index) is not None:
-            for name in prep:
-                prep[name].append(None)
-            continue
-        q, k, square = queries_and_keys(module, x, rope)  # (n, H, d), (n, h, d), (H, d)
-        prep["pair_ranking"].append(pair_scores(q, k).argsort(-1, descending=True).tolist())
-        prep["column_ranking"].append(column_scores(q, k).argsort(-1, descending=True).tolist())
-        if normed:
-            prep["query_square"].append(square.tolist())
-        columns = kept_columns(prep, index, rotary, PARTIAL_RATIO, module.head_dim)
-        norm = query_norm(module, prep, index, columns)
-        coverage, fetched = coverage_curve(module, x if before is None else before, rope, q, k, columns, norm)
-        prep["coverage"].append(coverage)
-        prep["fetched"].append(fetched)
-    fit = {"partial_ratio": PARTIAL_RATIO, "max_fetch": MAX_FETCH, "keep_first": KEEP_FIRST, "keep_recent": KEEP_RECENT}
-    return {**prep, "mass_grid": list(MASS_GRID), "fit": fit, "tokens": int(ids.shape[1])}
-
-
-def coverage_curve(
-    module: torch.nn.Module,
-    x: torch.Tensor,
-    rope: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    columns: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> tuple[list[float], list[float]]:
-    """How much true attention mass the mass rule covers, and what share it fetches, at each
-    speculated mass of ``MASS_GRID``, as a decode step would see it: speculation from the
-    previous layer's attention input x (1, n, D) with this layer's partial weights, against the
-    true attention of this layer's queries q (n, H, d) over its keys k (n, h, d), post-RoPE, at
-    ``CURVE_QUERIES`` positions of the second half. The current token (always attended) counts.
-    ``norm``: the QK-norm estimate of a partial query (``query_norm``), or None.
-    """
-    n, h = k.shape[0], k.shape[1]
-    at = torch.linspace(n // 2, n - 1, min(CURVE_QUERIES, n - n // 2), device=q.device).long().unique()  # (T,)
-    positions = torch.arange(n, device=q.device)
-    stored = positions[None, :] < at[:, None]  # (T, n): the tokens a step at ``at`` may fetch
-    logits = torch.einsum("thgd,nhd->thgn", q[at].view(len(at), h, -1, q.shape[-1]), k) * module.scaling
-    truth = logits.masked_fill(positions > at[:, None, None, None], -math.inf).softmax(-1).mean(2)  # (T, h, n)
-    current = truth.gather(-1, at[:, None, None].expand(-1, h, 1))[..., 0]  # (T, h)
-    weight, bias = partial_weights(module, columns)
-    cos = sin = None
-    if rope is not None:
-        cos, sin = (r[0, at][:, columns][:, None] for r in rope)  # (T, 1, h, c)
-    pq = partial_query(x[0, at][:, None], weight, bias, cos, sin, norm)  # (T, h, g, 1, c)
-    partial = k.gather(-1, columns[None].expand(n, -1, -1)).transpose(0, 1)  # (h, n, c)
-    scores = speculative_scores(pq, partial[None], module.scaling)[:, :, :, 0]  # (T, h, g, n)
-    scores = scores.masked_fill(~stored[:, None, None], -math.inf)
-    cap = (at * MAX_FETCH).ceil().long().clamp(min=1).tolist()
-    resident = stored & ((positions < KEEP_FIRST) | (positions >= at[:, None] - KEEP_RECENT))
-    coverage, fetched = [], []
-    for mass in MASS_GRID:
-        rows, fetch = select_by_mass(scores, mass, cap, resident[:, None].expand(-1, h, -1))
-        coverage.append(round(float(((truth.gather(-1, rows) * fetch).sum(-1) + current).mean()), 4))
-        fetched.append(round(float((fetch.sum(-1) / at[:, None]).mean()), 4))
-    return coverage, fetched
-
-
-def query_norm(
-    module: torch.nn.Module, prep: dict[str, Any], layer: int, columns: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """For a QK-norm layer, what ``normalize_partial`` needs at the kept ``columns`` (h, c): the
-    norm's gain (h, c), the full-to-kept mean-square ratio (h, g) and its epsilon; else None."""
-    norm = getattr(module, "q_norm", None)
-    if norm is None:
-        return None
-    eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
-    ones = torch.ones(module.head_dim, dtype=module.q_proj.weight.dtype, device=columns.device)
-    gain = (norm(ones) * math.sqrt(1 + eps))[columns]  # an RMS norm of ones is its gain
-    square = torch.tensor(prep["query_square"][layer], device=columns.device)  # (H, d)
-    square = square.view(columns.shape[0], -1, square.shape[-1])  # (h, g, d)
-    kept = square.gather(2, columns[:, None, :].expand(-1, square.shape[1], -1)).mean(-1)
-    return gain, (square.mean(-1) / kept.clamp(min=1e-12)).to(gain.dtype), eps
-
-
-def chosen_mass(prep: dict[str, Any], layer: int, target: float) -> float:
-    """The smallest speculated mass whose calibrated coverage reaches ``target`` (1: the cap)."""
-    curve = prep["coverage"][layer]
-    return next((m for m, c in zip(prep["mass_grid"], curve, strict=True) if c >= target), 1.0)
-
-
-def calibration_table(prep: dict[str, Any], target: float, dense: int) -> str:
-    """Per sparse layer: the mass chosen for ``target`` and what it covered and fetched in calibration."""
-    lines = [f"{'layer':>5} {'mass':>6} {'coverage':>9} {'fetched':>8}"]
-    for layer in range(dense, len(prep["coverage"])):
-        if prep["coverage"][layer] is None:  # a sliding-window layer
-            continue
-        mass = chosen_mass(prep, layer, target)
-        at = prep["mass_grid"].index(mass)
-        coverage, fetched = prep["coverage"][layer][at], prep["fetched"][layer][at]
-        lines.append(f"{layer:>5} {mass:>6.2f} {coverage:>9.3f} {fetched:>7.1%}")
-    return "\n".join(lines)
-
-
-@torch.inference_mode()
-def skew(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Fold a per-head orthogonal skew into W_q and W_k (and biases) of a model without RoPE.
-
-    Each head's queries on ``ids`` (1, n) give A = V from their SVD; W_q <- A^T W_q and
-    W_k <- A^T W_k per head, so q.k (and the logits) are unchanged while a few query columns
-    carry most of the product. Returns the A of each layer (H, d, d). Refuses RoPE models,
-    where a rotation mixing dimensions does not commute with the position rotation.
-    """
-    if is_rotary(model):
-        raise InfinikvError("exact skewing needs a model without RoPE; RoPE models keep whole rotary pairs instead")
-    modules = attention_modules(model)
-    inputs = attention_inputs(model, ids)
-    matrices = []
-    for index, module in sorted(modules.items()):
-        x = inputs[index][0]
-        a = skew_matrices(module.q_proj(x)[0].view(x.shape[1], -1, module.head_dim))  # (H, d, d)
-        for proj in (module.q_proj, module.k_proj):
-            weight = proj.weight.view(a.shape[0], module.head_dim, -1)
-            proj.weight.copy_((a.transpose(-1, -2) @ weight).view_as(proj.weight))
-            if proj.bias is not None:
-                bias = proj.bias.view(a.shape[0], module.head_dim, 1)
-                proj.bias.copy_((a.transpose(-1, -2) @ bias).view_as(proj.bias))
-        matrices.append(a)
-    return matrices
-
-
-def prep_path(model: torch.nn.Module) -> Path:
-    """Where ``model``'s preparation is saved: next to its weights."""
-    folder = Path(model.name_or_path or "")
-    if not model.name_or_path or not folder.is_dir():
-        raise InfinikvError(f"infinigen's preparation is saved next to the model, but {folder} is not a folder")
-    return folder / PREP_FILE
-
-
-def prepare(
-    model: torch.nn.Module,
-    tokenizer,
-    calibration: str = DEFAULT_CALIBRATION,
-    tokens: int = CALIBRATION_TOKENS,
-    progress: bool = True,
-) -> Path:
-    """Calibrate on ``tokens`` tokens of a text and save the result next to the model."""
-    from ..data import load_text
-
-    path = prep_path(model)
-    ids = tokenizer(load_text(calibration, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
-    prep = calibrate(model, ids[:, :tokens].to(next(model.parameters()).device), progress)
-    prep["calibration"], prep["version"] = calibration, PREP_VERSION
-    path.write_text(json.dumps(prep))
-    return path
-
-
-def kept_columns(prep: dict[str, Any], layer: int, rotary: bool, ratio: float, head_dim: int) -> torch.Tensor:
-    """The columns each KV head keeps (h, c): its best rotary pairs (RoPE) or best columns."""
-    if rotary:
-        pairs = max(1, round(ratio * head_dim / 2))
-        return pairs_to_columns(torch.tensor(prep["pair_ranking"][layer])[:, :pairs], head_dim)
-    return torch.tensor(prep["column_ranking"][layer])[:, : max(1, round(ratio * head_dim))]
-
-
-def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows of W_q (and b_q) for the kept columns: (h, g, c, D) and (h, g, c) or None."""
-    n_kv, head_dim = columns.shape[0], module.head_dim
-    weight = module.q_proj.weight.detach().view(n_kv, -1, head_dim, module.q_proj.in_features)
-    weight = weight.gather(2, columns[:, None, :, None].expand(-1, weight.shape[1], -1, weight.shape[-1]))
-    bias = module.q_proj.bias
-    if bias is not None:
-        bias = bias.detach().view(n_kv, -1, head_dim)
-        bias = bias.gather(2, columns[:, None, :].expand(-1, bias.shape[1], -1))
-    return weight.contiguous(), bias
-
-
-class Speculation(Fetcher):
+class Speculation(Selection):
     """One layer ahead, guesses the rows each KV head of this layer will attend to: the previous
     layer's attention input times this layer's partial query weights, against the partial keys
     (the kept columns of every stored key, a per-slot state on the fast tier). The tokens are
@@ -325,27 +76,17 @@ class Speculation(Fetcher):
 
     def store(self, slots: Slots, where: torch.Tensor | slice, key_states: torch.Tensor) -> None:
         b, _, q, _ = key_states.shape
-        partial = key_states.gather(-1, self.columns[None, :, None, :].expand(b, -1, q, -1))
-        store = slots.state["partial"]
-        if isinstance(where, slice):
-            store[:, :, where] = partial.to(store.device)
-        else:
-            store.scatter_(2, expand_to(where, store), partial.to(store.device))
+        put(slots.state["partial"], where, key_states.gather(-1, self.columns[None, :, None, :].expand(b, -1, q, -1)))
         if self.pooled:
-            last = slots.state["last_fetch"]
-            if isinstance(where, slice):
-                last[:, :, where] = self.steps
-            else:
-                last.scatter_(2, where, float(self.steps))
+            put(slots.state["last_fetch"], where, float(self.steps))
 
     def choose(
-        self, layer: KVLayer, x: torch.Tensor, rope: Any, positions: torch.Tensor, stored: int
+        self, slots: Slots, x: torch.Tensor, rope: Any, positions: torch.Tensor, stored: int, held: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        slots, rule = layer.slots, self.rule
+        rule = self.rule
         pq = self.query(x, rope, positions)
         partial = slots.state["partial"][:, :, :stored]
         scores = speculative_scores(pq, partial, self.scaling)[:, :, :, -1]
-        held = layer.held_before if layer.pending else slots.held
         valid = slots.state["valid"][:, :, :stored]
         every_slot = all(h == stored for h in held)
         if not every_slot:  # padding or evicted slots must not be fetched
@@ -426,7 +167,6 @@ POOL_RULES = {rule.name: rule for rule in (Counter, LeastRecent, Oldest)}
 RULE_OPTIONS = {"alpha": ("alpha",), "mass": ("coverage", "mass", "keep_first", "keep_recent")}  # by --select
 
 
-@register
 class InfiniGen(Policy):
     """Speculative fetching of the few tokens each layer needs, from a slow tier holding them all.
 
@@ -437,6 +177,13 @@ class InfiniGen(Policy):
     name = "infinigen"
     takes_budget = False
     needs_preparation = True
+    cost = Cost(
+        "infinigen",
+        stores=lambda fetch, dense: 1.0,
+        reads=lambda fetch, dense: dense + (1 - dense) * fetch,  # dense layers fetch everything
+        share=("fetch", 0.1),  # the paper: "< 10% on average"
+        partial=True,
+    )
     options = (
         Option(
             "select",
@@ -467,28 +214,28 @@ class InfiniGen(Policy):
         Option(
             "keep_first",
             int,
-            KEEP_FIRST,
+            DEFAULT_FIT.keep_first,
             "with --select mass: first tokens always fetched (attention sinks), >= 0",
             lambda n: n >= 0,
         ),
         Option(
             "keep_recent",
             int,
-            KEEP_RECENT,
+            DEFAULT_FIT.keep_recent,
             "with --select mass: newest tokens always fetched, >= 0",
             lambda n: n >= 0,
         ),
         Option(
             "partial_ratio",
             float,
-            PARTIAL_RATIO,
+            DEFAULT_FIT.partial_ratio,
             "share of each head's dims in the partial weights, in (0, 1]",
             lambda r: 0 < r <= 1,
         ),
         Option(
             "max_fetch",
             float,
-            MAX_FETCH,
+            DEFAULT_FIT.max_fetch,
             "cap on tokens fetched, as a share of tokens seen, in (0, 1]",
             lambda r: 0 < r <= 1,
         ),
@@ -532,26 +279,35 @@ class InfiniGen(Policy):
         self.prep: dict[str, Any] | None = None  # the calibration (``prepare``, or set by hand)
         self.prepared_for: str | None = None
 
+    def fit(self) -> Fit:
+        """The options this policy's coverage curves must have been measured with: its own when it
+        reads the curves (``--select mass`` with ``--coverage``), else any (the defaults')."""
+        params = self.params
+        if params["select"] != "mass" or params["mass"]:
+            return Fit()
+        return Fit(params["partial_ratio"], params["max_fetch"], params["keep_first"], params["keep_recent"])
+
     def prepare(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        read: Reader,
         progress: bool = False,
         calibration: str | None = None,
         tokens: int | None = None,
         force: bool = False,
     ) -> str | None:
-        """Load the model's saved calibration, or calibrate (default: ``DEFAULT_CALIBRATION``,
-        ``CALIBRATION_TOKENS`` tokens) and save it next to the model; a calibration saved by an
-        older version (without coverage curves) is redone."""
-        if self.prep is not None and self.prepared_for == model.name_or_path and not force:
+        """Load the model's saved calibration for this policy's options (``fit``), or calibrate
+        (default: ``DEFAULT_CALIBRATION``, ``CALIBRATION_TOKENS`` tokens) and save it next to the
+        model; one saved by an older version or with other options is redone."""
+        fit = self.fit()
+        if self.prep is not None and self.prepared_for == (model.name_or_path, fit) and not force:
             return None
-        path, did = prep_path(model), None
-        if force or not path.is_file() or json.loads(path.read_text()).get("version") != PREP_VERSION:
+        prep, did = None if force else load(model, fit), None
+        if prep is None:
             text = calibration or DEFAULT_CALIBRATION
-            prepare(model, tokenizer, text, tokens or CALIBRATION_TOKENS, progress=progress)
-            did = f"infinigen: calibrated {model.name_or_path} on {text}, saved to {path}"
-        self.prep, self.prepared_for = json.loads(path.read_text()), model.name_or_path
+            path = fit_and_save(model, read(text, tokens or CALIBRATION_TOKENS), text, fit, progress)
+            prep, did = load(model, fit), f"infinigen: calibrated {model.name_or_path} on {text}, saved to {path}"
+        self.prep, self.prepared_for = prep, (model.name_or_path, fit)
         if did and self.params["select"] == "mass" and not self.params["mass"]:
             target = self.params["coverage"]
             dense = self.params["dense_layers"]
@@ -594,8 +350,7 @@ class InfiniGen(Policy):
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         if index < self.params["dense_layers"]:
             return KVLayer(Slots())
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        _, _, head_dim = model_shape(model.config)
         module = self.modules[index]
         oracle = self.params["select"] == "oracle"  # every column of the layer's own query and keys
         ahead = not oracle and index > 0  # layer 0 has no layer before it: it speculates from its own input
@@ -621,11 +376,9 @@ class InfiniGen(Policy):
             frequencies,
             query_norm(module, self.prep, index, columns),
         )
-        rule = POOL_RULES[self.params["eviction"] or "counter"]() if pooled else None
-        return KVLayer(Slots(home=slow_tier(model)), rule, self.pool, fetcher=speculation)
+        evictor = Evictor(POOL_RULES[self.params["eviction"] or "counter"](), self.pool) if pooled else None
+        return KVLayer(Slots(home=slow_tier(model)), evictor, TwoTier(speculation))
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
         total = prompt_tokens + max_new_tokens
-        if self.pool is None:
-            return total
-        return min(total, max(prompt_tokens, self.pool.capacity(total) + 1))
+        return total if self.pool is None else self.pool.worst_case(prompt_tokens, total)

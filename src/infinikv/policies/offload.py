@@ -5,25 +5,20 @@ with the previous layer's compute. Exact; the transfer baseline InfiniGen is mea
 
 import torch
 
+from ..cache import KVLayer, Selection, TwoTier
+from ..contract import Cost, Option
 from ..kv.slots import Slots
-from . import register
-from .base import Option, Policy
-from .layer import Fetcher, KVLayer
+from ..kv.tiers import slow_tier
+from .base import Policy
 
 
-def slow_tier(model: torch.nn.Module) -> torch.device | None:
-    """Where the slow tier lives: host memory when the model runs on a GPU, else the same RAM."""
-    device = next(model.parameters()).device
-    return torch.device("cpu") if device.type == "cuda" else None
-
-
-@register
 class Offload(Policy):
     """Keeps every token in the slow tier and fetches all of them every step."""
 
     name = "offload"
     takes_budget = False
     options = (Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),)
+    cost = Cost("offload", stores=lambda share, dense: 1.0, reads=lambda share, dense: 1.0)
 
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
-        return KVLayer(Slots(home=slow_tier(model)), fetcher=Fetcher(overlap=not self.params["no_overlap"]))
+        return KVLayer(Slots(home=slow_tier(model)), tiers=TwoTier(Selection(overlap=not self.params["no_overlap"])))

@@ -10,9 +10,10 @@ Gemma 3 270M, 511 tokens per local layer against the whole context per global on
 
 from __future__ import annotations
 
+from ..cache import Evictor, KVLayer
+from ..contract import Budget
 from ..kv.slots import Slots
-from .base import RULES, Budget
-from .layer import KVLayer
+from .rules import SinkRecent
 
 
 def window_layer(window: int, static: bool) -> KVLayer:
@@ -20,5 +21,5 @@ def window_layer(window: int, static: bool) -> KVLayer:
     window's last token; sink's rule without sinks) and masks what lies outside a query's window
     inside a chunk. Its storage is allocated once, ``window`` slots (``static``: attention reads
     them all, for a compiled step)."""
-    slots = Slots(size=window, static=static)
-    return KVLayer(slots, RULES["sink-recent"](sinks=0), Budget(tokens=window - 1), fixed=True, window=window)
+    evictor = Evictor(SinkRecent(sinks=0), Budget(tokens=window - 1), fixed=True)
+    return KVLayer(Slots(size=window, static=static), evictor, window=window)

@@ -24,6 +24,7 @@ from ..core import Batch, Sampling, next_tokens, step_together
 from ..engine import end_of_sequence_ids
 from ..errors import InfinikvError
 from ..policies import Policy
+from ..preparation import ensure_prepared
 from ..text import Detokenizer
 
 Event = tuple[str, Any]  # ("text", piece) | ("done", finish_reason) | ("error", message)
@@ -231,8 +232,7 @@ class Scheduler:
         if seq.cancelled:
             return
         if seq.batch is None:
-            if seq.policy.needs_preparation:
-                seq.policy.prepare(self.model, self.tokenizer)
+            ensure_prepared(seq.policy, self.model, self.tokenizer)
             length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
             seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
             seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt

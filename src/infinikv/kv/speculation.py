@@ -1,11 +1,11 @@
 """InfiniGen's speculation as pure tensor functions (shapes in the paper's letters: b batch,
 h KV heads, g query heads per KV head, n tokens, d head dim, D model dim, c kept columns).
 
-With RoPE a rotation that mixes dimensions does not commute with the position rotation, so
-exact skewing is impossible; instead whole *rotary pairs* are kept: RoPE rotates dims
-``j`` and ``j + d/2`` together, so a partial dot product over whole pairs is exact for those
-pairs whatever the positions. Without RoPE (OPT style) the projections can be skewed exactly
-(``skew_matrices``) and any columns kept.
+The paper skews W_q and W_k so that a few columns carry most of q.k. With RoPE a rotation that
+mixes dimensions does not commute with the position rotation, so whole *rotary pairs* are kept
+instead: RoPE rotates dims ``j`` and ``j + d/2`` together, so a partial dot product over whole
+pairs is exact for those pairs whatever the positions. Without RoPE (OPT style) the best single
+columns are kept, unskewed.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .rope import rotate
 
 
 def pair_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -64,10 +66,9 @@ def partial_query(
         pq = normalize_partial(pq, *norm)
     if cos is None:
         return pq
-    first, second = pq.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)  # rotate_half on the kept pairs
-    cos, sin = cos.permute(0, 2, 1, 3)[:, :, None], sin.permute(0, 2, 1, 3)[:, :, None]
-    return pq * cos + rotated * sin
+    half = cos.shape[-1] // 2  # a pair's two columns share one angle
+    cos, sin = (t[..., :half].permute(0, 2, 1, 3)[:, :, None] for t in (cos, sin))
+    return rotate(pq, cos, sin)
 
 
 def normalize_partial(pq: torch.Tensor, gain: torch.Tensor, ratio: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,12 +141,3 @@ def select_by_mass(
     fetch = (torch.arange(k, device=scores.device) < counts[..., None]) & (top.values[..., :k] > 0)
     rows, order = top.indices[..., :k].sort(-1)
     return rows, fetch.gather(-1, order)
-
-
-def skew_matrices(q: torch.Tensor) -> torch.Tensor:
-    """Per-head orthogonal A (H, d, d) from the SVD of each head's queries q (n, H, d).
-
-    Folding A into W_q and W_k (W <- A^T W per head) leaves q.k unchanged while concentrating
-    the query's energy in the first columns (q A ~ U S).
-    """
-    return torch.linalg.svd(q.transpose(0, 1).double(), full_matrices=False).Vh.transpose(-1, -2).to(q.dtype)

@@ -1,0 +1,119 @@
+"""The one object that carries KV state across layers: a transformers ``Cache`` of ``KVLayer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from .layer import KVLayer
+from .stats import Clock
+
+
+class KVCache(Cache):
+    """The layers of one policy's cache for one batch, with what they did summed over layers."""
+
+    def __init__(self, layers: list[KVLayer], description: dict[str, Any], label: str) -> None:
+        super().__init__(layers=layers)
+        self.description, self.label = description, label
+        self.stepping = False  # the decode core planned the current forward
+        self.clock = Clock()
+        for layer in layers:
+            layer.clock = self.clock
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        return all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def rows(self) -> int:
+        return len(self.layers[0].seen)
+
+    def expect(self, tokens: list[int]) -> None:
+        """Say how many tokens each row's prompt has, before it is fed in chunks."""
+        for layer in self.layers:
+            layer.expect(tokens)
+
+    def begin(self, q: int, positions: torch.Tensor, new_real: torch.Tensor | None, real: list[int]) -> None:
+        """Plan the next forward of every layer (see ``KVLayer.begin``)."""
+        for layer in self.layers:
+            layer.begin(q, positions, new_real, real)
+        self.stepping = True
+
+    def end(self) -> None:
+        self.stepping = False
+
+    def before_attention(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        rope: Any,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> None:
+        """Layer ``layer_idx``'s attention is about to run on ``x``: plan it if the core did not,
+        and let the layer whose selection reads this input (the next one, or this one when it
+        chooses from its own input) choose and fetch its rows."""
+        layer = self.layers[layer_idx]
+        if not self.stepping:
+            layer.begin_from_mask(x.shape[0], x.shape[1], attention_mask, position_ids, x.device)
+        following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
+        for reader, ahead in ((layer, False), (following, True)):
+            if reader is not None and reader.tiers and reader.tiers.ahead == ahead:
+                reader.speculate(x, rope, layer.positions)
+
+    # -- what it did -------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        return sum(layer.held_bytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
+    def peak_bytes(self) -> int:
+        return sum(layer.peak_bytes() for layer in self.layers)
+
+    def row_peak_bytes(self, row: int) -> int:
+        return sum(layer.stats.peak[row] * layer.slots.bytes_per_token() for layer in self.layers)
+
+    def attended(self, rows: list[int] | None = None) -> tuple[list[float], list[float]]:
+        """Mean keys attended per decode step, and that over the tokens seen, per layer (mean over
+        ``rows``, default all); a fetching layer's decode steps attend to its fetched rows + 1."""
+        counts, fractions = [], []
+        for layer in self.layers:
+            s = layer.stats
+            picked = rows if rows is not None else range(len(s.steps))
+            if any(s.fetch_steps):
+                fetched, fraction, n = s.fetched.tolist(), s.attended_fraction.tolist(), s.fetch_steps
+                counts.append(sum(fetched[r] / max(n[r], 1) + 1 for r in picked) / len(picked))
+                fractions.append(sum(fraction[r] / max(n[r], 1) for r in picked) / len(picked))
+                continue
+            steps = [s.steps[r] for r in picked if s.steps[r]]
+            if not steps:
+                counts.append(0.0)
+                fractions.append(1.0)
+                continue
+            counts.append(sum(s.keys[r] / s.steps[r] for r in picked if s.steps[r]) / len(steps))
+            fractions.append(sum(s.fraction[r] / s.steps[r] for r in picked if s.steps[r]) / len(steps))
+        return counts, fractions
+
+    def transfer_summary(self, rows: list[int] | None = None) -> dict[str, float] | None:
+        """Slow->fast traffic per decode step, for two-tier caches (else None)."""
+        layers = [layer for layer in self.layers if any(layer.stats.fetch_steps)]
+        if not layers:
+            return None
+        tokens, fractions, moved = [], [], 0.0
+        for layer in layers:
+            s = layer.stats
+            steps = torch.tensor(s.fetch_steps, device=s.fetched.device).clamp(min=1)
+            per_row = (s.fetched / steps).tolist()
+            ratio = (s.fetched_fraction / steps).tolist()
+            picked = rows if rows is not None else range(len(per_row))
+            tokens.append(sum(per_row[r] for r in picked) / len(picked))
+            fractions.append(sum(ratio[r] for r in picked) / len(picked))
+            moved += sum(per_row[r] for r in picked) * layer.slots.bytes_per_token()
+        return {
+            "fetched_fraction": sum(fractions) / len(fractions),
+            "tokens_fetched_per_step": sum(tokens),
+            "bytes_moved_per_step": moved,
+        }

@@ -1,0 +1,137 @@
+"""The eviction stage: keeps each row of a layer within its budget, by a rule.
+
+The host side (``plan``) counts what each row holds against its capacity, from counts kept on
+the host; the device side (``evict``) scores the slots with the rule and drops the lowest, with
+tensor operations only. An optional ``Renumbering`` moves the kept RoPE keys as tokens go.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..contract import Budget, Rule, Scoring
+from ..kv.rope import Renumbering
+from ..kv.slots import Slots, StateSpec
+
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What a forward evicts, decided on the host: ``count`` victims per row; ``on_device``: a
+    compiled step's single victim, dropped only where the device finds the row over; ``ranked``:
+    rows renumbered by rank, all (True), none (False) or some (None); ``uniform``: every KV head
+    still holds the same tokens (nothing evicted, storage that grows)."""
+
+    count: int = 0
+    on_device: bool = False
+    ranked: bool | None = False
+    uniform: bool = True
+
+
+NOTHING = Eviction()
+
+
+class Evictor:
+    """A ``rule`` and a ``budget``; ``fixed``: the capacity is settled once, by the prompt (see
+    ``expect``), and the storage allocated for it plus one spare slot, so a decode step can
+    attend to its new token before the rule picks its victim."""
+
+    def __init__(self, rule: Rule, budget: Budget, fixed: bool = False, renumbering: Renumbering | None = None):
+        self.rule, self.budget, self.fixed, self.renumbering = rule, budget, fixed, renumbering
+        self.specs: dict[str, StateSpec] = dict(rule.state)
+        if renumbering is not None:
+            self.specs[Renumbering.STATE] = StateSpec(torch.int32)
+        self.capacities: list[int] | None = None  # a fixed capacity per row
+        self.capacity: torch.Tensor | None = None  # (b, 1, 1) on the device
+        self._capacity_key: tuple | None = None
+        self.take: torch.Tensor | None = None  # (b, 1, k) bool: the victims each row drops
+        self.ranked_rows: torch.Tensor | None = None  # (b,) bool
+
+    def expect(self, tokens: list[int], slots: Slots) -> None:
+        """Settle a fixed capacity on the ``tokens`` each row's prompt has, before its first chunk
+        (a ``--budget`` fraction is of the whole prompt, however it is cut into chunks)."""
+        if self.fixed and self.capacities is None:
+            self.capacities = [self.budget.capacity(t) for t in tokens]
+            slots.size = slots.size or max(self.capacities) + 1
+
+    def plan(self, slots: Slots, seen: list[int], before: list[int], device: torch.device) -> Eviction:
+        """Count each row's excess over its capacity as gone (``slots.forget``) and plan the
+        victims; rows that cross the renumbering threshold are caught up now."""
+        if self.fixed:
+            if self.capacities is None:  # settled once: by the prompt (``expect``), else the first chunk
+                self.expect(seen, slots)
+            capacities = self.capacities
+        else:
+            capacities = [self.budget.capacity(s) for s in seen]
+        excess = [max(0, h - c) for h, c in zip(slots.held, capacities, strict=True)]
+        slots.forget(excess)
+        count, even = max(excess), len(set(excess)) == 1
+        uniform = count == 0 and not slots.static
+        on_device = slots.static and count <= 1
+        if on_device:  # one victim at most, decided on the device: the same plan every step
+            count, even = 1, True
+        self.take = None
+        if count and not even:
+            self.take = torch.arange(count, device=device) < torch.tensor(excess, device=device).view(-1, 1, 1)
+        key = tuple(capacities)
+        if key != self._capacity_key:
+            self.capacity = torch.tensor(capacities, device=device).view(-1, 1, 1)
+            self._capacity_key = key
+        ranked = False if self.renumbering is None else self.rank(slots, seen, before, device)
+        return Eviction(count, on_device, ranked, uniform)
+
+    def rank(self, slots: Slots, seen: list[int], before: list[int], device: torch.device) -> bool | None:
+        """Which rows are renumbered by rank (see ``Eviction.ranked``)."""
+        threshold = self.renumbering.threshold
+        flags = [s > threshold for s in seen]
+        crossing = [s > threshold and was <= threshold for s, was in zip(seen, before, strict=True)]
+        if any(crossing) and slots.ready:
+            state = slots.state
+            rows = torch.tensor(crossing, device=device)
+            self.renumbering.catch_up(slots.keys, state[Renumbering.STATE], state["valid"], rows)
+        ranked = True if all(flags) else False if not any(flags) else None
+        self.ranked_rows = None if ranked is not None else torch.tensor(flags, device=device)
+        return ranked
+
+    def evict(self, slots: Slots, newest: torch.Tensor, eviction: Eviction, length: int) -> None:
+        """Drop each row's lowest-scored valid slots among the first ``length``, the newest first
+        among equal scores (so the choice never depends on where tokens sit in the slots):
+        O(capacity) for a decode step. ``newest`` (b,) the position of each row's newest token."""
+        valid = slots.state["valid"][:, :, :length]
+        scores = self.rule.scores(slots, Scoring(length, self.capacity, newest.view(-1, 1, 1)))
+        scores = scores.clamp(max=FLOAT_MAX).masked_fill(~valid, math.inf)  # never pick an empty slot
+        position = slots.state["position"][:, :, :length]
+        if eviction.count == 1:  # the lowest score; among equal scores, the newest token
+            lowest = scores == scores.amin(-1, keepdim=True)
+            victims = position.masked_fill(~lowest, -1).argmax(-1, keepdim=True)
+        else:  # a chunk: the same order, by two stable sorts
+            by_age = position.argsort(dim=-1, descending=True, stable=True)
+            order = scores.gather(-1, by_age).argsort(dim=-1, stable=True)[..., : eviction.count]
+            victims = by_age.gather(-1, order)
+        take = self.take
+        if eviction.on_device:  # the plan always has one victim: drop it only where the row is over
+            take = valid.sum(-1, keepdim=True) > self.capacity
+        if self.renumbering is not None:
+            ranked = eviction.ranked if eviction.ranked is not None else self.ranked_rows
+            after = slots.state[Renumbering.STATE][:, :, :length]
+            self.renumbering.evict(slots.keys[:, :, :length], after, position, valid, victims, take, ranked)
+        self.rule.evict(slots, victims, take, length)
+
+    # -- rows --------------------------------------------------------------------------------
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.capacities is not None:
+            self.capacities = [self.capacities[r] for r in rows]
+        self._capacity_key = None
+
+    def append_rows(self, other: Evictor) -> None:
+        if other.capacities is not None:
+            self.capacities = (self.capacities or []) + other.capacities
+        self._capacity_key = None
+
+    def reset(self) -> None:
+        self.capacities = None  # settled again by the next first chunk, and the storage with them
+        self._capacity_key = self.take = None

@@ -1,0 +1,151 @@
+"""The contract every part of a KV policy is written against, importing nothing of infinikv's
+but its error type: options, budgets, eviction rules and the cost a policy declares to the
+offload planner. Storage, the cache stages, the policies and the planner all import this module;
+it imports none of them, so the import graph starts here and points down.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .errors import InfinikvError
+
+if TYPE_CHECKING:
+    from .kv.slots import Slots, StateSpec
+
+TRUE, FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+REFERENCE = "full"  # the policy every other one is measured against: it keeps every token
+
+
+@dataclass(frozen=True)
+class Option:
+    """A policy parameter: ``--NAME`` on the command line, ``"name"`` in a JSON ``kv`` spec."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None  # a value is accepted when check(value) is true
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, value: Any) -> Any:
+        """A value from a flag (a string) or from JSON (typed), converted and checked."""
+        try:
+            if self.type is bool and not isinstance(value, bool):
+                text = str(value).lower()
+                if text not in TRUE | FALSE:
+                    raise ValueError
+                parsed: Any = text in TRUE
+            elif self.type is int and isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                parsed = int(value)
+            elif self.type in (int, float) and isinstance(value, bool):
+                raise ValueError
+            else:
+                parsed = self.type(value)
+        except (TypeError, ValueError):
+            raise InfinikvError(f"{self.flag} expects {self.type.__name__}, got {value!r}") from None
+        if self.check is not None and not self.check(parsed):
+            raise InfinikvError(f"{self.flag} {parsed} is out of range ({self.help})")
+        return parsed
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a layer may keep: a fraction of the tokens seen, or a fixed count."""
+
+    fraction: float | None = None
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fraction is None) == (self.tokens is None):
+            raise InfinikvError("give exactly one of --budget FRACTION or --capacity TOKENS")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise InfinikvError(f"--budget must be in (0, 1], got {self.fraction}")
+        if self.tokens is not None and self.tokens < 1:
+            raise InfinikvError(f"--capacity must be at least 1 token, got {self.tokens}")
+
+    def capacity(self, seen: int) -> int:
+        """Tokens a sequence that has seen ``seen`` real tokens may keep."""
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, math.ceil(seen * self.fraction))
+
+    def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False) -> int:
+        """The most tokens a layer under this budget holds for a request of ``total`` tokens: the
+        whole prompt until the prefill evicts, then its capacity plus the one token a decode step
+        adds before evicting. ``fixed``: the capacity is settled by the prompt (allocated once)."""
+        capacity = self.capacity(prompt_tokens if fixed else total)
+        return min(total, max(prompt_tokens, capacity + 1))
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.fraction is not None else f"{self.tokens} tokens"
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a rule may use to score slots: the slots' length, each row's capacity and the
+    position of its newest token, as ``(b, 1, 1)`` tensors."""
+
+    length: int
+    capacity: torch.Tensor
+    newest: torch.Tensor
+
+
+class Rule(ABC):
+    """An eviction rule: scores each slot, higher kept; when a row is over its capacity the layer
+    drops its lowest-scored valid slots (one ``argmin`` per decode step). A rule that needs the
+    attention probabilities sets ``observes``; per-slot state it keeps is declared in ``state``
+    and moves with its slot. ``evict`` may do more than drop (``merge`` folds a victim first).
+    """
+
+    name: ClassVar[str]
+    options: ClassVar[tuple[Option, ...]] = ()
+    observes: ClassVar[bool] = False
+    state: ClassVar[dict[str, StateSpec]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        """Attention each slot received ``(b, h, L)``: ``mass`` summed over this forward's queries and
+        the KV head's query heads; ``last`` from the newest query only."""
+        return None
+
+    @abstractmethod
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        """Keep-scores of the first ``at.length`` slots ``(b, h, L)``; ``inf`` means never evict."""
+
+    def logit_bias(self, slots: Slots, length: int) -> torch.Tensor | None:
+        """An additive attention-logit bias per slot ``(b, h, L)``, or None."""
+        return None
+
+    def evict(self, slots: Slots, victims: torch.Tensor, take: torch.Tensor | None, length: int) -> None:
+        """Remove ``victims`` (b, h, k) (where ``take``, when given)."""
+        slots.drop(victims, take)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the offload planner (``bench plan``) models of a policy, as shares of the full fp16
+    K/V: what it ``stores`` and what a decode step ``reads`` (and attends to), each a function of
+    the policy's modelled ``share`` (``(kind, default)``: ``"fetch"``, the share InfiniGen fetches,
+    or ``"keep"``, the share an evicting policy keeps; measured by ``bench speed`` when given) and
+    of the share of layers the planner treats as dense; ``partial``: it keeps InfiniGen's partial
+    keys and query weights on the GPU. ``name`` labels the planner's row."""
+
+    name: str
+    stores: Callable[[float, float], float]
+    reads: Callable[[float, float], float]
+    share: tuple[str, float] | None = None
+    partial: bool = False

@@ -1,0 +1,101 @@
+"""Every eviction rule, by name: what the evicting policies and ``bct --update-rule`` choose from.
+
+A rule scores slots (``contract.Rule``); the eviction stage drops the lowest. Each rule names
+the paper it follows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..contract import Option, Rule, Scoring
+from ..kv.slots import Slots, StateSpec, expand_to
+
+
+class SinkRecent(Rule):
+    """StreamingLLM's (Xiao et al., ICLR 2024): evicts the oldest token after the first ``sinks``."""
+
+    name = "sink-recent"
+    options = (Option("sinks", int, 4, "sink tokens kept at the start, >= 0 (StreamingLLM uses 4)", lambda n: n >= 0),)
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        position = slots.state["position"][:, :, : at.length]
+        return torch.where(position < self.params["sinks"], math.inf, position.float())
+
+
+class HeavyHitter(Rule):
+    """H2O's (Zhang et al., NeurIPS 2023): evicts the token with the least attention accumulated over
+    every query of the KV head's group, outside a recent window."""
+
+    name = "heavy-hitter"
+    options = (
+        Option(
+            "recent_ratio", float, 0.5, "share of the budget kept for recent tokens, in [0, 1]", lambda r: 0 <= r <= 1
+        ),
+    )
+    observes = True
+    state = {"score": StateSpec(torch.float32)}
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        slots.state["score"][:, :, : mass.shape[-1]] += mass
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        recent = torch.ceil(at.capacity * self.params["recent_ratio"])
+        position = slots.state["position"][:, :, : at.length]
+        return torch.where(position > at.newest - recent, math.inf, slots.state["score"][:, :, : at.length])
+
+
+class Tova(Rule):
+    """TOVA's (Oren et al., "Transformers are Multi-State RNNs", 2024): evicts the token the newest
+    query attends to least."""
+
+    name = "tova"
+    observes = True
+    state = {"last": StateSpec(torch.float32)}
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        slots.state["last"][:, :, : last.shape[-1]] = last
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        return slots.state["last"][:, :, : at.length]
+
+
+class Merge(HeavyHitter):
+    """After CaM (Zhang et al. 2024) and D2O (Wan et al. 2024): heavy-hitter eviction, but each victim
+    is folded into the kept slot with the most similar key as a weighted mean, and attention adds
+    log(weight) to that slot's logit."""
+
+    name = "merge"
+    state = {**HeavyHitter.state, "weight": StateSpec(torch.float32, initial=1.0)}  # tokens folded into a slot
+
+    def logit_bias(self, slots: Slots, length: int) -> torch.Tensor:
+        return slots.state["weight"][:, :, :length].log()
+
+    def evict(self, slots: Slots, victims: torch.Tensor, take: torch.Tensor | None, length: int) -> None:
+        """Victims (b, h, k). A kept slot's K/V become the weighted mean of what it held and what joins
+        it, and its weight the sum, so the total weight always equals the tokens seen."""
+        keys, values = slots.view(length)
+        weight, valid = slots.state["weight"][:, :, :length], slots.state["valid"][:, :, :length]
+        joining = torch.ones_like(victims, dtype=torch.bool) if take is None else take
+        keep = valid.scatter(2, victims, valid.gather(2, victims) & ~joining)
+        moved = weight.gather(2, victims) * joining  # what each victim carries (nothing where not taken)
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+        similarity = unit.gather(2, expand_to(victims, unit)) @ unit.transpose(-1, -2)  # (b, h, k, L)
+        target = similarity.masked_fill(~keep[:, :, None, :], -math.inf).argmax(-1)  # (b, h, k)
+        new_weight = weight.scatter_add(-1, target, moved)
+        for store in (keys, values):
+            joined = store.gather(2, expand_to(victims, store)) * moved[..., None]
+            summed = (store * weight[..., None]).scatter_add_(2, expand_to(target, store), joined)
+            store.copy_(torch.where(keep[..., None], summed / new_weight[..., None], store))
+        weight.copy_(torch.where(keep, new_weight, weight))
+        slots.drop(victims, take)
+
+
+RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge)}
+
+
+def rule_options() -> dict[str, Option]:
+    """Every rule's options by name (rules sharing a name share its meaning)."""
+    return {o.name: o for cls in RULES.values() for o in cls.options}
