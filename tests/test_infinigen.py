@@ -330,6 +330,8 @@ def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder,
     from infinikv import load_model
 
     folder = shutil.copytree(tiny_folder, tmp_path / "model")
+    for saved in folder.glob("infinikv-infinigen*.json"):  # what other tests of the session calibrated
+        saved.unlink()
     model, tokenizer = load_model(str(folder))
     default = make_policy("infinigen")
     assert "calibrated" in ensure_prepared(default, model, tokenizer, tokens=64)

@@ -47,9 +47,8 @@ class Fit:
         """The defaults' calibration is ``PREP_FILE``; other options get a file of their own."""
         if self == Fit():
             return PREP_FILE
-        return (
-            f"infinikv-infinigen-r{self.partial_ratio:g}-f{self.max_fetch:g}-{self.keep_first}-{self.keep_recent}.json"
-        )
+        options = f"r{self.partial_ratio:g}-f{self.max_fetch:g}-{self.keep_first}-{self.keep_recent}"
+        return f"infinikv-infinigen-{options}.json"
 
 
 def prep_path(model: torch.nn.Module, fit: Fit) -> Path:

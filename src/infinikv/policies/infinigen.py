@@ -8,9 +8,9 @@ the model bounds to a sliding window keeps its window (``window``) and neither s
 fetches.
 
 For RoPE models the partial columns are whole rotary pairs, chosen per KV head offline
-(``infinikv prepare``, ``calibration``), so the partial dot product is exact for the kept pairs. A model with
-QK-norm (Gemma 3) normalizes each query head by the RMS of all its columns: speculation
-estimates it from the kept ones (``normalize_partial``, calibrated per column).
+(``infinikv prepare``, see ``calibration``), so the partial dot product is exact for the kept
+pairs. A model with QK-norm (Gemma 3) normalizes each query head by the RMS of all its columns:
+speculation estimates it from the kept ones (``normalize_partial``, calibrated per column).
 """
 
 from __future__ import annotations
