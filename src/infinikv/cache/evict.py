@@ -51,6 +51,18 @@ class Evictor:
         self.take: torch.Tensor | None = None  # (b, 1, k) bool: the victims each row drops
         self.ranked_rows: torch.Tensor | None = None  # (b,) bool
 
+    @property
+    def observes(self) -> bool:
+        """The rule needs the attention probabilities (``observe``)."""
+        return self.rule.observes
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+        self.rule.observe(slots, mass, last)
+
+    def bias(self, slots: Slots, length: int) -> torch.Tensor | None:
+        """The rule's attention-logit bias per slot (b, h, L), or None."""
+        return self.rule.logit_bias(slots, length)
+
     def expect(self, tokens: list[int], slots: Slots) -> None:
         """Settle a fixed capacity on the ``tokens`` each row's prompt has, before its first chunk
         (a ``--budget`` fraction is of the whole prompt, however it is cut into chunks)."""

@@ -59,6 +59,10 @@ class TwoTier:
     def ahead(self) -> bool:
         return self.selection.ahead
 
+    def store(self, slots: Slots, where: torch.Tensor | slice, key_states: torch.Tensor) -> None:
+        """Keep what the selection needs of the new tokens (see ``Selection.store``)."""
+        self.selection.store(slots, where, key_states)
+
     def speculate(
         self,
         slots: Slots,

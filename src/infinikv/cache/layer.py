@@ -162,7 +162,7 @@ class KVLayer(CacheLayerMixin):
         if key_states.shape[2] > 1:
             self.where = where
         if self.tiers:
-            self.tiers.selection.store(self.slots, where, key_states)
+            self.tiers.store(self.slots, where, key_states)
         if plan.fetch:
             return self.tiers.with_new(key_states, value_states)
         return self.slots.view(plan.write.length)
@@ -183,17 +183,17 @@ class KVLayer(CacheLayerMixin):
         rule's observation and eviction. Returns (b, H, q, d)."""
         plan = self.plan
         started = self.clock.start()
-        rule = self.evictor.rule if self.evictor and not plan.fetch else None  # a pool's rule sees no attention
-        observes = rule is not None and rule.observes
+        evictor = None if plan.fetch else self.evictor  # a pool's eviction sees no attention
+        observes = evictor is not None and evictor.observes
         if plan.fresh and not observes:
             out = attention.causal(query, key, value, scaling)
         else:
-            bias = rule.logit_bias(self.slots, key.shape[2]) if rule else None
+            bias = evictor.bias(self.slots, key.shape[2]) if evictor else None
             causal = observes and plan.fresh and key.shape[2] == query.shape[2]  # a prompt's first chunk
             visible = None if causal else self.visibility(query.shape[2], key.shape[2])
             if observes:
                 out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, causal)
-                rule.observe(self.slots, mass, last)
+                evictor.observe(self.slots, mass, last)
             else:
                 out = attention.masked(query, key, value, visible, bias, scaling)
         if self.observer is not None:
