@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from .data import load_text
 from .policies import Policy
 
 
 def text_reader(model: torch.nn.Module, tokenizer: Any):
     """``read(name, tokens)``: the first ``tokens`` token ids (1, n) of a text (from its first
     chapter), on the model's device."""
-    from .data import load_text
 
     def read(name: str, tokens: int) -> torch.Tensor:
         ids = tokenizer(load_text(name, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids

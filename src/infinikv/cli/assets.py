@@ -66,10 +66,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if len(asked) > 1:
         raise InfinikvError("--policy takes one policy, e.g. infinigen or 'infinigen[partial_ratio=0.5]'")
     cells = asked or [(n, {}) for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
-    policies = [make_policy(name, **own) if not policy_class(name).takes_budget else None for name, own in cells]
-    names = [name for name, _ in cells]
+    # built before the model loads, so a bad option is refused at once
+    policies = {name: None if policy_class(name).takes_budget else make_policy(name, **own) for name, own in cells}
     model, tokenizer = models.load_model(args.model)
-    for name, policy in zip(names, policies, strict=True):
+    for name, policy in policies.items():
         if policy is None or not policy.needs_preparation:
             print(f"{name}: nothing to prepare")
             continue

@@ -19,6 +19,7 @@ from ..sizes import model_dtype, model_shape
 from .base import Policy
 
 PLANNED_BITS = 4  # the planner's quant row: 4-bit values, an fp16 scale and minimum per group
+PLANNED_SHARE = PLANNED_BITS / 16 + 2 / GROUP  # of an fp16 K/V
 
 
 class Quant(Policy):
@@ -27,8 +28,7 @@ class Quant(Policy):
     name = "quant"
     takes_budget = False
     options = (Option("bits", int, 4, "bits per K/V value: 8, 4 or 2", lambda b: b in (8, 4, 2)),)
-    share = PLANNED_BITS / 16 + 2 / GROUP  # of an fp16 K/V
-    cost = Cost(f"quant-{PLANNED_BITS}", stores=lambda _, dense: Quant.share, reads=lambda _, dense: Quant.share)
+    cost = Cost(f"quant-{PLANNED_BITS}", stores=lambda _, dense: PLANNED_SHARE, reads=lambda _, dense: PLANNED_SHARE)
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
         self.scratch = Scratch()  # one full-precision buffer for all the layers of this cache
