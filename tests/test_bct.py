@@ -87,7 +87,7 @@ def kept_positions(layer: KVLayer, head: int = 0) -> list[int]:
 def test_merge_folds_into_the_most_similar_slot():
     keys = torch.tensor([[1.0, 0], [0, 1.0], [0.9, 0.1], [-1.0, 0]]).view(1, 1, 4, 2)
     layer = rule_layer("merge", 3, keys, recent_ratio=0.0)
-    layer.evictor.rule.observe(layer.slots, torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4))
+    layer.evictor.rule.observe(layer.slots, torch.tensor([[[5.0, 4.0, 0.1, 3.0]]]), torch.zeros(1, 1, 4), 1)
     evict(layer)
     assert kept_positions(layer) == [0, 1, 3]  # the least attended (position 2) was evicted...
     slot = 0  # ...into the slot with the most similar key (position 0's)
@@ -100,7 +100,7 @@ def test_merge_folds_into_the_most_similar_slot():
 def test_tova_evicts_the_argmin_of_the_current_attention():
     layer = rule_layer("tova", 4, torch.randn(1, 2, 5, 8))
     last = torch.tensor([[[0.3, 0.05, 0.2, 0.25, 0.2], [0.1, 0.4, 0.3, 0.01, 0.19]]])
-    layer.evictor.rule.observe(layer.slots, last * 3, last)
+    layer.evictor.rule.observe(layer.slots, last * 3, last, 1)
     evict(layer)
     for head, evicted in enumerate(last[0].argmin(-1).tolist()):
         kept = kept_positions(layer, head)
@@ -116,9 +116,9 @@ def test_tova_on_the_real_model_drops_what_the_last_query_ignores(real, emma_ids
     before = {h: set(kept_positions(layer, h)) | {30} for h in range(3)}  # the kept tokens and the new one
     seen = []
     observe = layer.evictor.rule.observe
-    layer.evictor.rule.observe = lambda slots, mass, last: (
+    layer.evictor.rule.observe = lambda slots, mass, last, queries: (
         seen.append((last.clone(), slots.state["position"].clone())),
-        observe(slots, mass, last),
+        observe(slots, mass, last, queries),
     )
     batch.step(emma_ids[:, 30])
     last, position = seen[0]

@@ -156,7 +156,7 @@ def test_ledger_bytes_are_tokens_times_bytes_per_token(real, emma_ids):
     batch.feed(emma_ids[:, :150])
     counts = []
     for layer in batch.cache.layers[2:]:
-        layer.observer = lambda positions, mask: counts.append(int(mask.sum(-1).max()))
+        layer.observer = lambda query, scaling, positions, mask: counts.append(int(mask.sum(-1).max()))
     for i in range(150, 160):
         batch.step(emma_ids[:, i])
     per_token = 2 * 3 * 64 * 4
@@ -216,7 +216,7 @@ def test_infinigen_is_prepared_explicitly(tiny):
     "kwargs, message",
     [
         (dict(alpha=-1), "alpha"),
-        (dict(select="top"), "select"),
+        (dict(select="best"), "select"),
         (dict(coverage=1.0), "coverage"),
         (dict(mass=1.5), "mass"),
         (dict(keep_recent=-1), "keep-recent"),
@@ -310,7 +310,7 @@ def test_options_of_another_selection_rule_are_refused():
     with pytest.raises(InfinikvError, match="--coverage applies to --select mass"):
         make_policy("infinigen", select="alpha", coverage=0.9)
     with pytest.raises(InfinikvError, match="not both"):
-        make_policy("infinigen", coverage=0.9, mass=0.9)
+        make_policy("infinigen", select="mass", coverage=0.9, mass=0.9)
     assert make_policy("infinigen", select="alpha", alpha=8).params["alpha"] == 8
 
 
@@ -336,16 +336,16 @@ def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder,
     default = make_policy("infinigen")
     assert "calibrated" in ensure_prepared(default, model, tokenizer, tokens=64)
     path = folder / "infinikv-infinigen.json"
-    fit = {"partial_ratio": 0.3, "max_fetch": 0.2, "keep_first": 4, "keep_recent": 32}
+    fit = {"partial_ratio": 0.3, "max_fetch": 0.1, "keep_first": 4, "keep_recent": 32}
     assert json.loads(path.read_text())["fit"] == fit
     assert ensure_prepared(make_policy("infinigen"), model, tokenizer) is None  # the same options: loaded
-    other = make_policy("infinigen", partial_ratio=0.5)
+    other = make_policy("infinigen", select="mass", partial_ratio=0.5)
     assert "calibrated" in ensure_prepared(other, model, tokenizer, tokens=64)
     assert other.prep["fit"] == {**fit, "partial_ratio": 0.5}
-    assert json.loads((folder / "infinikv-infinigen-r0.5-f0.2-4-32.json").read_text())["fit"] == other.prep["fit"]
+    assert json.loads((folder / "infinikv-infinigen-r0.5-f0.1-4-32.json").read_text())["fit"] == other.prep["fit"]
     assert json.loads(path.read_text())["fit"] == fit  # the default's is untouched
     # a rule that reads no curves takes any calibration: the default's
-    assert ensure_prepared(make_policy("infinigen", select="alpha", partial_ratio=0.5), model, tokenizer) is None
+    assert ensure_prepared(make_policy("infinigen", partial_ratio=0.5), model, tokenizer) is None
     edited = json.loads(path.read_text())
     edited["fit"]["max_fetch"] = 0.5  # a record that does not match the options asked for
     path.write_text(json.dumps(edited))

@@ -80,6 +80,9 @@ def test_niah_answers_are_the_values_of_the_asked_keys(task, length):
             else r"\d{7}"
         )
         assert all(re.fullmatch(pattern, a) for a in sample.answers)
+        spans = [tokenizer().decode(sample.prompt_ids[start:end]) for start, end in sample.spans]
+        assert sorted(a for a in sample.answers if any(a in span for span in spans)) == sorted(sample.answers)
+        assert len(spans) == len(sample.answers) and [s for s, _ in sample.spans] == sorted(s for s, _ in sample.spans)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -123,3 +123,7 @@ def test_a_batch_of_prompts_decodes_like_each_alone(tiny_folder):
     together = run_cell(model, tokenizer, samples, policy, [], batch_size=3)
     alone = run_cell(model, tokenizer, samples, policy, [], batch_size=1)
     assert [o["output"] for o in together["outputs"]] == [o["output"] for o in alone["outputs"]]
+    assert 0 < together["needle_attended"] < 100 and "oracle_needle_attended" not in together  # it evicts
+    assert together["needle_attended"] == pytest.approx(alone["needle_attended"], abs=0.05)
+    whole = run_cell(model, tokenizer, samples, parse_spec({"policy": "full"}), [], batch_size=3)
+    assert whole["needle_attended"] == 100 and len(whole["needle_attended_per_layer"]) == 2

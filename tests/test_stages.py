@@ -141,7 +141,7 @@ def test_a_newcomers_fetch_policy_composes_from_the_parts(tiny):
     chosen = []
     for layer in few.cache.layers:
         assert isinstance(layer, KVLayer) and layer.tiers is not None
-        layer.observer = lambda positions, visible: chosen.append(int(visible.sum(-1).max()))
+        layer.observer = lambda query, scaling, positions, visible: chosen.append(int(visible.sum(-1).max()))
     for batch in (full, everything, few):
         batch.feed(ids[:, :40])
     chosen.clear()  # the prompt attended to itself whole

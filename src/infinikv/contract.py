@@ -117,10 +117,14 @@ class Rule(ABC):
     def __init__(self, **params: Any) -> None:
         self.params = params
 
-    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
-        """Attention each slot received ``(b, h, L)``: ``mass`` summed over this forward's queries and
-        the KV head's query heads; ``last`` from the newest query only."""
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor, queries: int) -> None:
+        """Attention each slot received ``(b, h, L)`` from a forward of ``queries`` queries: ``mass``
+        summed over them and the KV head's query heads; ``last`` from the newest ``watched()`` only."""
         return None
+
+    def watched(self) -> int:
+        """How many of a forward's newest queries ``observe``'s ``last`` sums (1: the newest)."""
+        return 1
 
     @abstractmethod
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:

@@ -68,3 +68,21 @@ def summary(rows: list[dict]) -> str:
         " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(line, widths, strict=True)))
         for line in [header, *lines]
     )
+
+
+def needle_found(rows: list[dict]) -> str:
+    """Where the needle went (``eval.trace``): per policy, the share of the needle's tokens its
+    layers attended at answer steps, and the oracle's of the same count, averaged over cells."""
+    by_label: dict[str, list[dict]] = {}
+    for row in rows:
+        if "needle_attended" in row:
+            by_label.setdefault(row_label(row), []).append(row)
+    if not by_label:
+        return ""
+    width = max(len(name) for name in [*by_label, "needle attended (%)"])
+    lines = [f"{'needle attended (%)':<{width}} {'policy':>8} {'oracle':>8}"]
+    for name, cells in by_label.items():
+        oracle = [r["oracle_needle_attended"] for r in cells if "oracle_needle_attended" in r]
+        shown = f"{statistics.fmean(oracle):>8.1f}" if oracle else f"{'-':>8}"
+        lines.append(f"{name:<{width}} {statistics.fmean(r['needle_attended'] for r in cells):>8.1f} {shown}")
+    return "\n".join(lines)

@@ -78,14 +78,15 @@ class KVCache(Cache):
 
     def attended(self, rows: list[int] | None = None) -> tuple[list[float], list[float]]:
         """Mean keys attended per decode step, and that over the tokens seen, per layer (mean over
-        ``rows``, default all); a fetching layer's decode steps attend to its fetched rows + 1."""
+        ``rows``, default all); a fetching layer's decode steps attend to its fetched rows and what
+        it reads beside them (the current token, or a fast tier)."""
         counts, fractions = [], []
         for layer in self.layers:
             s = layer.stats
             picked = rows if rows is not None else range(len(s.steps))
             if any(s.fetch_steps):
-                fetched, fraction, n = s.fetched.tolist(), s.attended_fraction.tolist(), s.fetch_steps
-                counts.append(sum(fetched[r] / max(n[r], 1) + 1 for r in picked) / len(picked))
+                keys, fraction, n = s.attended.tolist(), s.attended_fraction.tolist(), s.fetch_steps
+                counts.append(sum(keys[r] / max(n[r], 1) for r in picked) / len(picked))
                 fractions.append(sum(fraction[r] / max(n[r], 1) for r in picked) / len(picked))
                 continue
             steps = [s.steps[r] for r in picked if s.steps[r]]

@@ -8,6 +8,7 @@ tensor operations only. An optional ``Renumbering`` moves the kept RoPE keys as 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,14 @@ class Eviction:
     """What a forward evicts, decided on the host: ``count`` victims per row; ``on_device``: a
     compiled step's single victim, dropped only where the device finds the row over; ``ranked``:
     rows renumbered by rank, all (True), none (False) or some (None); ``uniform``: every KV head
-    still holds the same tokens (nothing evicted, storage that grows)."""
+    still holds the same tokens (nothing evicted, storage that grows); ``excess``: the victims
+    each row drops (the first of its ``count``)."""
 
     count: int = 0
     on_device: bool = False
     ranked: bool | None = False
     uniform: bool = True
+    excess: tuple[int, ...] = ()
 
 
 NOTHING = Eviction()
@@ -38,10 +41,12 @@ NOTHING = Eviction()
 class Evictor:
     """A ``rule`` and a ``budget``; ``fixed``: the capacity is settled once, by the prompt (see
     ``expect``), and the storage allocated for it plus one spare slot, so a decode step can
-    attend to its new token before the rule picks its victim."""
+    attend to its new token before the rule picks its victim. ``spill``, when set, is given each
+    eviction's victims (the slots and victims (b, h, k)) before they go."""
 
     def __init__(self, rule: Rule, budget: Budget, fixed: bool = False, renumbering: Renumbering | None = None):
         self.rule, self.budget, self.fixed, self.renumbering = rule, budget, fixed, renumbering
+        self.spill: Callable[[Slots, torch.Tensor], None] | None = None
         self.specs: dict[str, StateSpec] = dict(rule.state)
         if renumbering is not None:
             self.specs[Renumbering.STATE] = StateSpec(torch.int32)
@@ -56,8 +61,13 @@ class Evictor:
         """The rule needs the attention probabilities (``observe``)."""
         return self.rule.observes
 
-    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
-        self.rule.observe(slots, mass, last)
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor, queries: int) -> None:
+        self.rule.observe(slots, mass, last, queries)
+
+    @property
+    def watched(self) -> int:
+        """How many newest queries the rule's ``last`` observation sums."""
+        return self.rule.watched()
 
     def bias(self, slots: Slots, length: int) -> torch.Tensor | None:
         """The rule's attention-logit bias per slot (b, h, L), or None."""
@@ -94,7 +104,7 @@ class Evictor:
             self.capacity = torch.tensor(capacities, device=device).view(-1, 1, 1)
             self._capacity_key = key
         ranked = False if self.renumbering is None else self.rank(slots, seen, before, device)
-        return Eviction(count, on_device, ranked, uniform)
+        return Eviction(count, on_device, ranked, uniform, tuple(excess))
 
     def rank(self, slots: Slots, seen: list[int], before: list[int], device: torch.device) -> bool | None:
         """Which rows are renumbered by rank (see ``Eviction.ranked``)."""
@@ -131,6 +141,8 @@ class Evictor:
             ranked = eviction.ranked if eviction.ranked is not None else self.ranked_rows
             after = slots.state[Renumbering.STATE][:, :, :length]
             self.renumbering.evict(slots.keys[:, :, :length], after, position, valid, victims, take, ranked)
+        if self.spill is not None:
+            self.spill(slots, victims)
         self.rule.evict(slots, victims, take, length)
 
     # -- rows --------------------------------------------------------------------------------

@@ -43,10 +43,12 @@ class Selection:
 
 
 class TwoTier:
-    """A ``selection`` and the transfers it starts: the rows fetched for the current step."""
+    """A ``selection`` and the transfers it starts: the rows fetched for the current step, and
+    ``room`` for the rows attention reads beside them (the step's new token, or a fast tier)."""
 
     def __init__(self, selection: Selection) -> None:
         self.selection = selection
+        self.room = 1
         self.fast = FastTier()
         self.transfer: Transfer | None = None
         self.fetched: tuple[torch.Tensor | None, torch.Tensor | None, int] | None = None  # rows, visible, count
@@ -100,7 +102,7 @@ class TwoTier:
             if take is not None:
                 visible &= take
             per_row = visible.sum(-1).float().mean(-1)
-        self.transfer = self.fast.fetch(slots, rows, count, overlap, valid.device)
+        self.transfer = self.fast.fetch(slots, rows, count, overlap, valid.device, self.room)
         self.fetched = (rows, visible, count)
         return per_row
 
@@ -114,22 +116,31 @@ class TwoTier:
         clock.stop("fetch", started)  # what an overlap did not hide
 
     def with_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention reads: the fetched rows, then the new tokens (b, h, k + q, d)."""
+        """What attention reads: the fetched rows, then the new tokens (or the ``room`` rows read
+        beside them) (b, h, k + q, d)."""
         return self.fast.with_new(self.fetched[2], key_states, value_states)
 
-    def visibility(self) -> torch.Tensor | None:
-        """Which fetched rows, and the new token, the step sees (b, h, 1, k + 1), or None for all."""
+    def visibility(self, beside: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Which fetched rows, and the rows beside them (``beside`` (b, h, q) bool; None: the new
+        token), the step sees (b, h, 1, k + q), or None for all."""
         visible = self.fetched[1]
-        if visible is None:
+        if visible is None and beside is None:
             return None
-        return torch.cat([visible, torch.ones_like(visible[..., :1])], -1)[:, :, None]
+        if visible is None:
+            visible = torch.ones(*beside.shape[:2], self.fetched[2], dtype=torch.bool, device=beside.device)
+        beside = torch.ones_like(visible[..., :1]) if beside is None else beside
+        return torch.cat([visible, beside], -1)[:, :, None]
 
-    def attended_positions(self, slots: Slots, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions of the fetched rows and the current token ``current`` (b,), and which count."""
+    def fetched_positions(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of the fetched rows (b, h, k), and which count."""
         rows, visible, count = self.fetched
         state = slots.state
         position = state["position"][:, :, :count] if rows is None else state["position"].gather(2, rows)
-        visible = torch.ones_like(position, dtype=torch.bool) if visible is None else visible
+        return position, torch.ones_like(position, dtype=torch.bool) if visible is None else visible
+
+    def attended_positions(self, slots: Slots, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of the fetched rows and the current token ``current`` (b,), and which count."""
+        position, visible = self.fetched_positions(slots)
         current = current.view(-1, 1, 1).expand(-1, position.shape[1], 1)
         return torch.cat([position, current], -1), torch.cat([visible, torch.ones_like(visible[..., :1])], -1)
 

@@ -55,6 +55,7 @@ class KVLayer(CacheLayerMixin):
     newest ``window`` positions, itself included), masked inside a chunk."""
 
     is_croppable = False  # eviction makes "drop the last n tokens" meaningless
+    pools: tuple[Slots, ...] = ()  # more slots whose rows follow the layer's (a recall layer's pool)
 
     def __init__(
         self, slots: Slots, evictor: Evictor | None = None, tiers: TwoTier | None = None, window: int | None = None
@@ -76,7 +77,7 @@ class KVLayer(CacheLayerMixin):
         self.new_real: torch.Tensor | None = None  # (b, q) bool, None: all real
         self.where: torch.Tensor | slice | None = None  # the slots of the current chunk's tokens
         self.uniform = True  # every KV head holds the same tokens (nothing evicted yet): one mask serves all
-        self.observer: Any = None  # called with the positions each decode step attends to (eval recall)
+        self.observer: Any = None  # called with each forward's query, scaling and attended positions (eval)
 
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
@@ -103,7 +104,7 @@ class KVLayer(CacheLayerMixin):
         self.seen = [s + r for s, r in zip(before, real, strict=True)]
         self.cumulative_length += q
         self.stored, self.held_before = slots.n, list(slots.held or [0] * b)
-        fetch = self.tiers is not None and q == 1 and self.stored > 0
+        fetch = self.fetches(q)
         write = slots.plan(q, real)
         held = slots.held  # with the new tokens, before any eviction: the most this forward holds
         if q == 1 and self.stored > 0 and not fetch:  # a decode step attends to every token held
@@ -120,6 +121,11 @@ class KVLayer(CacheLayerMixin):
             fetch=fetch,
         )
         self.pending = True
+
+    def fetches(self, q: int) -> bool:
+        """A forward of ``q`` tokens per row attends to rows fetched from the slow tier: a decode
+        step of two tiers, once something is stored."""
+        return self.tiers is not None and q == 1 and self.stored > 0
 
     def begin_from_mask(
         self,
@@ -192,12 +198,12 @@ class KVLayer(CacheLayerMixin):
             causal = observes and plan.fresh and key.shape[2] == query.shape[2]  # a prompt's first chunk
             visible = None if causal else self.visibility(query.shape[2], key.shape[2])
             if observes:
-                out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, causal)
-                evictor.observe(self.slots, mass, last)
+                out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, causal, evictor.watched)
+                evictor.observe(self.slots, mass, last, query.shape[2])
             else:
                 out = attention.masked(query, key, value, visible, bias, scaling)
         if self.observer is not None:
-            self.observer(*self.attended_positions(key.shape[2]))
+            self.observer(query, scaling, *self.attended_positions(key.shape[2]))
         if plan.eviction.count:
             self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length)
         self.slots.settle(compact=plan.eviction.count > 1)

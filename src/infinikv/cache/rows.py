@@ -15,7 +15,8 @@ from .layer import KVLayer
 def join(cache: KVCache, other: KVCache) -> None:
     """Take ``other``'s sequences as rows after ``cache``'s (both built by the same policy)."""
     for mine, theirs in zip(cache.layers, other.layers, strict=True):
-        mine.slots.append_rows(theirs.slots)
+        for slots, their_slots in zip((mine.slots, *mine.pools), (theirs.slots, *theirs.pools), strict=True):
+            slots.append_rows(their_slots)
         if not mine.seen:
             mine.stats = theirs.stats
         else:
@@ -32,7 +33,8 @@ def join(cache: KVCache, other: KVCache) -> None:
 def keep(cache: KVCache, rows: list[int]) -> None:
     """Keep only the sequences ``rows`` of ``cache`` (in that order)."""
     for layer in cache.layers:
-        layer.slots.keep_rows(rows)
+        for slots in (layer.slots, *layer.pools):
+            slots.keep_rows(rows)
         layer.seen = [layer.seen[r] for r in rows]
         layer.stats.select(rows)
         if layer.evictor:

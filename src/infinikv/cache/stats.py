@@ -7,7 +7,7 @@ import time
 import torch
 
 COUNTS = ("steps", "keys", "fraction", "peak", "fetch_steps")  # per row, on the host
-TOTALS = ("fetched", "fetched_fraction", "attended_fraction")  # per row, on the device
+TOTALS = ("fetched", "fetched_fraction", "attended", "attended_fraction")  # per row, on the device
 
 
 class Clock:
@@ -39,7 +39,8 @@ class Stats:
         self.fetch_steps: list[int] = []  # decode steps per row that fetched from the slow tier
         self.fetched: torch.Tensor | None = None  # (b,) tokens fetched per KV head, summed over steps
         self.fetched_fraction: torch.Tensor | None = None  # (b,) the same over the tokens stored
-        self.attended_fraction: torch.Tensor | None = None  # (b,) fetched + the current token, over tokens seen
+        self.attended: torch.Tensor | None = None  # (b,) fetched + the rows read beside them (the current token)
+        self.attended_fraction: torch.Tensor | None = None  # (b,) the same over tokens seen
 
     def rows(self, b: int) -> None:
         if not self.steps:
@@ -57,17 +58,19 @@ class Stats:
             self.keys[r] += h
             self.fraction[r] += h / max(s, 1)
 
-    def fetch(self, per_row: torch.Tensor, held: list[int], seen: list[int]) -> None:
+    def fetch(self, per_row: torch.Tensor, held: list[int], seen: list[int], beside: list[int] | None = None) -> None:
         """A decode step fetched ``per_row`` (b,) tokens per KV head of the ``held`` stored, having
-        seen ``seen`` (the current token included)."""
+        seen ``seen`` (the current token included), and attended to ``beside`` more per row (None:
+        the current token alone)."""
         device = per_row.device
         stored = torch.tensor(held, dtype=torch.float32, device=device).clamp(min=1)
-        attended = (per_row + 1) / torch.tensor(seen, dtype=torch.float32, device=device)
+        attended = per_row + (1 if beside is None else torch.tensor(beside, dtype=torch.float32, device=device))
         self.fetch_steps = [n + 1 for n in self.fetch_steps]
         for name, value in (
             ("fetched", per_row),
             ("fetched_fraction", per_row / stored),
-            ("attended_fraction", attended),
+            ("attended", attended),
+            ("attended_fraction", attended / torch.tensor(seen, dtype=torch.float32, device=device)),
         ):
             total = getattr(self, name)
             setattr(self, name, value if total is None else total + value)

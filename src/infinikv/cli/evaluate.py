@@ -11,7 +11,7 @@ from .. import data, models
 from ..errors import InfinikvError
 from ..eval.ruler import TASKS as RULER_TASKS
 from ..grid import Cell
-from ..results import budget_text, summary
+from ..results import budget_text, needle_found, summary
 from .common import (
     GRID_JSON,
     add_policy_arguments,
@@ -58,7 +58,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
     )
     params = {"text": args.text, "context": args.context, "needles": args.needles, "seed": args.seed}
     rows = run_cells(args, [Cell("P-needle", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
-    print(json.dumps(rows, indent=2) if args.json else needle_table(rows))
+    print(json.dumps(rows, indent=2) if args.json else f"{needle_table(rows)}\n\n{needle_found(rows)}".rstrip())
     return 0
 
 
@@ -100,7 +100,7 @@ def cmd_ruler(args: argparse.Namespace) -> int:
     rows = run_cells(args, cells, out, model, tokenizer)
     if args.heatmap:
         print(f"heatmap -> {ruler_heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
-    print(json.dumps(rows, indent=2) if args.json else summary(rows))
+    print(json.dumps(rows, indent=2) if args.json else f"{summary(rows)}\n\n{needle_found(rows)}".rstrip())
     return 0
 
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ..core import Batch, Sampling, sample
 from ..errors import InfinikvError
 from ..policies import Policy
+from .trace import NeedleTrace
 
 INTRO = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.\n\n"
@@ -21,8 +22,9 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 def needle_cases(
     tokenizer, haystack: str, context: int, needles: int, seed: int = 0
-) -> list[tuple[torch.Tensor, str, float]]:
-    """``needles`` prompts of ``context`` tokens: ``(ids (1, context), pass key, depth)``.
+) -> list[tuple[torch.Tensor, str, float, tuple[int, int]]]:
+    """``needles`` prompts of ``context`` tokens: ``(ids (1, context), pass key, depth, span)``,
+    the span [start, end) of the needle's tokens.
 
     Depths are evenly spaced from 10% to 90% of the haystack part.
     """
@@ -43,22 +45,30 @@ def needle_cases(
             )
         at = int(depth * fill)
         ids = intro + hay[:at] + needle + hay[at:fill] + question
-        cases.append((torch.tensor([ids]), key, round(depth, 3)))
+        start = len(intro) + at
+        cases.append((torch.tensor([ids]), key, round(depth, 3), (start, start + len(needle))))
     return cases
 
 
-def answer(model, ids: torch.Tensor, policy: Policy, new_tokens: int = 8) -> list[int]:
-    """Greedy continuation of ``ids`` (1, n) under ``policy`` (``new_tokens`` tokens, no early stop)."""
+def answer(
+    model, ids: torch.Tensor, policy: Policy, new_tokens: int = 8, trace: NeedleTrace | None = None, span=None
+) -> list[int]:
+    """Greedy continuation of ``ids`` (1, n) under ``policy`` (``new_tokens`` tokens, no early stop),
+    observed by ``trace`` with the needle at ``span`` if given."""
     batch = Batch(model, policy, max_length=ids.shape[1] + new_tokens)
+    if trace is not None:
+        trace.watch(batch.cache, [[span]], ids.shape[1] + new_tokens, batch.device)
     logits = batch.feed(ids.to(batch.device))
     return sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids=[], pad_id=0)[0]
 
 
 def needle_accuracy(model, tokenizer, cases, policy: Policy, progress: bool = True) -> dict:
-    """Exact-match accuracy of ``policy`` over ``cases``, with each case's answer."""
-    rows = []
-    for ids, key, depth in tqdm(cases, desc=policy.label(), disable=not progress, leave=False):
-        text = tokenizer.decode(answer(model, ids, policy), skip_special_tokens=True)
+    """Exact-match accuracy of ``policy`` over ``cases``, with each case's answer and the share of
+    the needle's tokens each layer attended (``trace.NeedleTrace``)."""
+    rows, trace = [], NeedleTrace()
+    for ids, key, depth, span in tqdm(cases, desc=policy.label(), disable=not progress, leave=False):
+        text = tokenizer.decode(answer(model, ids, policy, trace=trace, span=span), skip_special_tokens=True)
+        trace.detach()
         rows.append({"depth": depth, "key": key, "answer": text.strip(), "hit": key in text})
     return {
         **policy.describe(),
@@ -66,4 +76,5 @@ def needle_accuracy(model, tokenizer, cases, policy: Policy, progress: bool = Tr
         "context": int(cases[0][0].shape[1]),
         "needles": len(rows),
         "cases": rows,
+        **trace.result(),
     }

@@ -32,7 +32,7 @@ def attention_recall(model, ids: torch.Tensor, policy: Policy, context: int, pro
             captured[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
 
     for index, layer in enumerate(ours.cache.layers):
-        layer.observer = lambda positions, mask, i=index: chosen.__setitem__(i, (positions, mask))
+        layer.observer = lambda query, scaling, positions, mask, i=index: chosen.__setitem__(i, (positions, mask))
     ids = ids.to(truth.device)
     truth.feed(ids[:, :context])
     ours.feed(ids[:, :context])

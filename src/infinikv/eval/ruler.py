@@ -232,6 +232,7 @@ class Sample:
     prompt_ids: list[int]
     answers: list[str]
     depths: list[float]  # of the answer-bearing needles (niah) or assignments (vt); empty for cwe/fwe
+    spans: list[tuple[int, int]]  # [start, end) in prompt_ids of those needles, in prompt order
     answer_prefix: str  # already the end of prompt_ids
     max_new_tokens: int
     metric: str
@@ -334,7 +335,7 @@ def generate(
             parts = _cwe(ids, rng, length)
         else:
             parts = _fwe(ids, rng, length)
-        prompt, depths = _assemble(task, tokenizer, ids, length, parts)
+        prompt, depths, spans = _assemble(task, tokenizer, ids, length, parts)
         out.append(
             Sample(
                 task=task.name,
@@ -343,6 +344,7 @@ def generate(
                 prompt_ids=prompt,
                 answers=parts.answers,
                 depths=depths,
+                spans=spans,
                 answer_prefix=parts.answer_prefix,
                 max_new_tokens=task.max_new_tokens,
                 metric=task.metric,
@@ -391,9 +393,10 @@ def _too_short(task: Task, length: int, fixed: int) -> InfinikvError:
 
 def _assemble(
     task: Task, tokenizer: PreTrainedTokenizerBase, ids: _Memo, length: int, parts: _Parts
-) -> tuple[list[int], list[float]]:
+) -> tuple[list[int], list[float], list[tuple[int, int]]]:
     """Cut the haystack so the prompt is exactly ``length`` tokens; put each needle at the unit
-    boundary nearest its depth."""
+    boundary nearest its depth. Returns the prompt, and the depths and token spans of the needles
+    the answer needs."""
     head = tokenizer(parts.head)["input_ids"]
     tail, *needles = ids([parts.tail] + [text for _, text in parts.needles])
     fixed = len(head) + len(tail) + sum(map(len, needles))
@@ -410,12 +413,15 @@ def _assemble(
     del hay[fill:]
     starts.append(fill)
     at = [min(starts, key=lambda s, d=depth: abs(s - d * fill)) for depth, _ in parts.needles]
-    prompt, done = list(head), 0
+    prompt, done, spans = list(head), 0, []
     for i in sorted(range(len(needles)), key=lambda i: (at[i], i)):
-        prompt += hay[done : at[i]] + needles[i]
+        prompt += hay[done : at[i]]
+        if i < parts.reported:
+            spans.append((len(prompt), len(prompt) + len(needles[i])))
+        prompt += needles[i]
         done = at[i]
     prompt += hay[done:] + tail
-    return prompt, [round(a / fill, 4) for a in at[: parts.reported]]
+    return prompt, [round(a / fill, 4) for a in at[: parts.reported]], spans
 
 
 def _sentences(tokenizer: PreTrainedTokenizerBase, text: str, length: int) -> list[list[int]]:

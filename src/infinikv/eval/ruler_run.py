@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ..core import Batch, Sampling, sample
 from ..policies import Policy
 from .ruler import Sample, score
+from .trace import NeedleTrace
 
 
 def run_cell(
@@ -29,17 +30,22 @@ def run_cell(
     bar: tqdm | None = None,
 ) -> dict:
     """Greedy answers to ``samples`` (one task and length) under ``policy``, ``batch_size`` prompts
-    per batch; the row has the accuracy (mean score in [0, 1]) and every sample's output."""
+    per batch; the row has the accuracy (mean score in [0, 1]), every sample's output, and where
+    the samples hide needles, the share of them each layer attended (``trace.NeedleTrace``)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()
     outputs: list[str] = []
     attended: list[float] = []
+    trace = NeedleTrace()
     for first in range(0, len(samples), batch_size):
         group = samples[first : first + batch_size]
         new_tokens = group[0].max_new_tokens
         batch = Batch(model, policy, max_length=group[0].length + new_tokens)
+        if group[0].spans:
+            trace.watch(batch.cache, [s.spans for s in group], group[0].length + new_tokens, batch.device)
         logits = batch.prefill([s.prompt_ids for s in group], pad_id)
         tokens = sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids, pad_id)
+        trace.detach()
         outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         _, fractions = batch.cache.attended()
         attended.append(sum(fractions) / len(fractions))
@@ -54,6 +60,7 @@ def run_cell(
         "samples": len(samples),
         "attended_fraction": statistics.fmean(attended),
         "seconds": round(time.perf_counter() - start, 2),
+        **trace.result(),
         "outputs": [
             {"index": s.index, "depths": s.depths, "answers": s.answers, "output": o, "score": score([s], [o])}
             for s, o in zip(samples, outputs, strict=True)

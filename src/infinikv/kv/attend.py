@@ -58,12 +58,13 @@ def weighted(
     bias: torch.Tensor | None,
     scaling: float,
     causal: bool = False,
+    watched: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention that also returns the probability mass each slot received.
 
     Shapes as in ``masked``. Returns the output (b, H, q, d); the probabilities summed over the q
-    queries and the g query heads of each KV head (b, h, L); and those of the last query alone,
-    summed over the heads (b, h, L). Queries run in blocks, so the (q, L) weights of a long
+    queries and the g query heads of each KV head (b, h, L); and those of the newest ``watched``
+    queries alone, summed the same way (b, h, L). Queries run in blocks, so the (q, L) weights of a long
     prefill never exist all at once. ``causal`` (a first chunk: the keys are the queries, in
     order; ``visible`` unused) masks each block by its own triangle and skips the keys no query
     of the block sees, instead of a (b, h, q, L) mask: half the work, none of the mask's memory.
@@ -82,6 +83,7 @@ def weighted(
         return out.reshape(query.shape), last, last
     b, h, g, _, d = qg.shape
     outputs, mass = [], torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
+    last = torch.zeros_like(mass)
     for start in range(0, q, QUERY_CHUNK):
         block = qg[:, :, :, start : start + QUERY_CHUNK]
         c = block.shape[3]
@@ -97,7 +99,9 @@ def weighted(
             logits = logits.masked_fill_(~visible[:, :, None, start : start + QUERY_CHUNK], float("-inf"))
         probs = logits.softmax(-1, dtype=torch.float32)
         mass[:, :, :seen] += probs.sum((2, 3))
-        last = probs[:, :, :, -1].sum(2)  # the last block's is the last query's: it sees every key
+        first_watched = max(0, q - watched - start)  # of this block's queries
+        if first_watched < c:
+            last[:, :, :seen] += probs[:, :, :, first_watched:].sum((2, 3))
         out = torch.matmul(probs.to(value.dtype).view(b, h, g * c, seen), value[:, :, :seen])
         outputs.append(out.view(b, h, g, c, d))
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last

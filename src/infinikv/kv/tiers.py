@@ -70,11 +70,11 @@ class FastTier:
             self.values = slots.values.new_zeros(b, h, size, slots.values.shape[-1], device=device)
 
     def fetch(
-        self, slots: Slots, rows: torch.Tensor | None, count: int, overlap: bool, device: torch.device
+        self, slots: Slots, rows: torch.Tensor | None, count: int, overlap: bool, device: torch.device, room: int = 1
     ) -> Transfer:
         """Copy the slow-tier ``rows`` (b, h, count) into the fast tier (None: the first ``count``
-        slots), leaving room for one more token; returns the transfer in flight."""
-        self._reserve(slots, count + 1, device)
+        slots), leaving room for ``room`` more tokens; returns the transfer in flight."""
+        self._reserve(slots, count + room, device)
         keys, values = slots.keys, slots.values
         slow_rows = None if rows is None else rows.to(keys.device)
 
@@ -91,7 +91,7 @@ class FastTier:
     def with_new(
         self, count: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fetched rows followed by the new tokens: (b, h, count + q, d) each."""
+        """The fetched rows followed by the new tokens (or any other q rows): (b, h, count + q, d) each."""
         q = key_states.shape[2]
         self.keys[:, :, count : count + q] = key_states
         self.values[:, :, count : count + q] = value_states

@@ -22,11 +22,13 @@ from .h2o import HeavyHitters
 from .infinigen import InfiniGen
 from .offload import Offload
 from .quant import Quant
+from .recall import Recall
 from .rules import RULES
 from .sink import Sink
+from .snapkv import SnapKV
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, Offload, Quant, Sink, HeavyHitters, BoundedCache, InfiniGen)
+    cls.name: cls for cls in (Full, Offload, Quant, Sink, HeavyHitters, SnapKV, BoundedCache, InfiniGen, Recall)
 }
 
 

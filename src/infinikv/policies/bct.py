@@ -94,6 +94,11 @@ class BoundedCache(Evicting):
         return self.budget
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False):
+        self.setup(model)
+        return super().make_cache(model, max_length, static)
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """What building the layers for ``model`` needs: the capacity and how keys are numbered."""
         self.resolved = self.resolve(model.config)
         managed = [i for i, w in enumerate(windows(model.config)) if w is None]
         inv_freq = rotary_inv_freq(model, managed[0]) if managed and self.params["positions"] != "original" else None
@@ -102,7 +107,6 @@ class BoundedCache(Evicting):
         self.resolved_positions = "original" if inv_freq is None else self.params["positions"]
         trained = getattr(model.config, "max_position_embeddings", None) or 0
         self.threshold = None if inv_freq is None else trained if self.params["positions"] == "auto" else 0
-        return super().make_cache(model, max_length, static)
 
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         slots = Slots(size=static, static=static is not None)

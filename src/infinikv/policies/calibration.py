@@ -39,7 +39,7 @@ class Fit:
     """The policy options a calibration's coverage curves depend on (the defaults are the policy's)."""
 
     partial_ratio: float = 0.3
-    max_fetch: float = 0.2
+    max_fetch: float = 0.1
     keep_first: int = 4
     keep_recent: int = 32
 

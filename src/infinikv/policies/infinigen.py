@@ -1,11 +1,14 @@
 """``infinigen``: InfiniGen (Lee et al., "InfiniGen: Efficient Generative Inference of Large
 Language Models with Dynamic KV Cache Management", OSDI 2024). Every token's K/V stays in the
-slow tier; one layer ahead, a cheap rehearsal with the previous layer's attention input, a
-partial query weight and a partial key cache guesses which few tokens each KV head will attend
-to, and only those are fetched. Nothing is ever dropped, so a token ignored now can be fetched
-again later. The first ``dense_layers`` layers and the prefill attend to everything; a layer
-the model bounds to a sliding window keeps its window (``window``) and neither speculates nor
-fetches.
+slow tier; a cheap rehearsal with a partial query weight and a partial key cache guesses which
+few tokens each KV head will attend to, and only those are fetched. The paper rehearses one
+layer ahead, with the previous layer's attention input, so the fetch overlaps that layer: the
+default on CUDA. On a CPU both tiers share one memory and there is nothing to overlap, so each
+layer rehearses with its own input (``--ahead 0``), which finds what one layer ahead misses
+(RULER's needles: see the README's "Retrieval under a budget"). Nothing is ever dropped, so a
+token ignored now can be fetched again later. The first ``dense_layers`` layers and the prefill
+attend to everything; a layer the model bounds to a sliding window keeps its window
+(``window``) and neither speculates nor fetches.
 
 For RoPE models the partial columns are whole rotary pairs, chosen per KV head offline
 (``infinikv prepare``, see ``calibration``), so the partial dot product is exact for the kept
@@ -39,16 +42,18 @@ DEFAULT_FIT = Fit()  # the option defaults the calibration is measured with
 
 
 class Speculation(Selection):
-    """One layer ahead, guesses the rows each KV head of this layer will attend to: the previous
-    layer's attention input times this layer's partial query weights, against the partial keys
-    (the kept columns of every stored key, a per-slot state on the fast tier). The tokens are
-    chosen by one of two rules: the mass rule (``mass``: the fewest tokens whose speculated
-    softmax mass reaches it, per KV head, plus the ``keep`` resident tokens) or the paper's
-    threshold (``alpha``: logits within alpha of the maximum). ``ahead=False`` (layer 0, which
-    no layer precedes, and the oracle) speculates at the layer itself, from its own input.
+    """Guesses the rows each KV head of this layer will attend to: an attention input times this
+    layer's partial query weights, against the partial keys (the kept columns of every stored
+    key, a per-slot state on the fast tier). The tokens are chosen by the mass rule (``mass``:
+    the fewest tokens whose speculated softmax mass reaches it, per KV head, plus the ``keep``
+    resident tokens; a mass of 1 takes the ``max_fetch`` share: ``--select top``) or the paper's
+    threshold (``alpha``: logits within alpha of the maximum). ``ahead``: from the previous
+    layer's input, as it starts; else (layer 0, which no layer precedes, ``--ahead 0`` and the
+    oracle) at the layer itself, from its own input.
     ``frequencies`` (h, c): the layer's own RoPE frequencies at the kept columns, when the layer it
     speculates from has another RoPE (Gemma 3's local and global bases), else None (its RoPE serves);
-    ``norm``: the QK-norm estimate (``query_norm``) or None."""
+    ``norm``: the QK-norm estimate (``query_norm``) or None; ``in_order``: slot i holds token i
+    while nothing was evicted (False for a pool filled in any order)."""
 
     def __init__(
         self,
@@ -63,8 +68,10 @@ class Speculation(Selection):
         ahead: bool = True,
         frequencies: torch.Tensor | None = None,
         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        in_order: bool = True,
     ) -> None:
         super().__init__(overlap)
+        self.in_order = in_order and not pooled
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
         self.rule, self.scaling, self.pooled, self.ahead = rule, scaling, pooled, ahead
         self.frequencies, self.norm = frequencies, norm
@@ -91,7 +98,7 @@ class Speculation(Selection):
         every_slot = all(h == stored for h in held)
         if not every_slot:  # padding or evicted slots must not be fetched
             scores = scores.masked_fill(~valid[:, :, None], -math.inf)
-        ordered = every_slot and not self.pooled  # slot i holds token i
+        ordered = every_slot and self.in_order  # slot i holds token i
         cap = [max(1, math.ceil(rule["max_fetch"] * h)) for h in held]
         if "alpha" in rule:
             rows, fetch = select_tokens(scores, rule["alpha"], torch.tensor(cap, device=scores.device))
@@ -164,7 +171,11 @@ class Oldest(PoolRule):
 
 
 POOL_RULES = {rule.name: rule for rule in (Counter, LeastRecent, Oldest)}
-RULE_OPTIONS = {"alpha": ("alpha",), "mass": ("coverage", "mass", "keep_first", "keep_recent")}  # by --select
+RULE_OPTIONS = {  # by --select
+    "top": ("keep_first", "keep_recent"),
+    "mass": ("coverage", "mass", "keep_first", "keep_recent"),
+    "alpha": ("alpha",),
+}
 
 
 class InfiniGen(Policy):
@@ -188,10 +199,11 @@ class InfiniGen(Policy):
         Option(
             "select",
             str,
-            "mass",
-            "how speculation picks tokens: mass (default), alpha (the paper's threshold) or oracle "
-            "(the true top --max-fetch share of each layer, an upper bound for comparison)",
-            lambda s: s in ("mass", "alpha", "oracle"),
+            "top",
+            "how speculation picks tokens: top (default: the --max-fetch share each KV head weighs most), "
+            "mass (the fewest reaching a calibrated mass), alpha (the paper's threshold) or oracle (the true "
+            "top --max-fetch share of each layer, an upper bound for comparison)",
+            lambda s: s in ("top", "mass", "alpha", "oracle"),
         ),
         Option(
             "coverage",
@@ -215,14 +227,14 @@ class InfiniGen(Policy):
             "keep_first",
             int,
             DEFAULT_FIT.keep_first,
-            "with --select mass: first tokens always fetched (attention sinks), >= 0",
+            "with --select top or mass: first tokens always fetched (attention sinks), >= 0",
             lambda n: n >= 0,
         ),
         Option(
             "keep_recent",
             int,
             DEFAULT_FIT.keep_recent,
-            "with --select mass: newest tokens always fetched, >= 0",
+            "with --select top or mass: newest tokens always fetched, >= 0",
             lambda n: n >= 0,
         ),
         Option(
@@ -236,7 +248,7 @@ class InfiniGen(Policy):
             "max_fetch",
             float,
             DEFAULT_FIT.max_fetch,
-            "cap on tokens fetched, as a share of tokens seen, in (0, 1]",
+            "with --select top or oracle: the share of tokens seen each KV head fetches; else the cap on it, in (0, 1]",
             lambda r: 0 < r <= 1,
         ),
         Option(
@@ -245,6 +257,15 @@ class InfiniGen(Policy):
             0,
             "first layers that always use their full cache, >= 0 (at 0, layer 0 speculates from its own input)",
             lambda n: n >= 0,
+        ),
+        Option(
+            "ahead",
+            str,
+            "auto",
+            "1: speculate one layer ahead, from the previous layer's input (the paper: the copy overlaps "
+            "that layer on a GPU); 0: at the layer itself, from its own input (nothing to overlap on a CPU, "
+            "and its own query finds needles one layer ahead misses); auto: 1 on CUDA, else 0",
+            lambda a: a in ("auto", "0", "1"),
         ),
         Option("no_overlap", bool, False, "fetch synchronously instead of overlapping the previous layer"),
         Option(
@@ -266,8 +287,9 @@ class InfiniGen(Policy):
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
         super().__init__(budget, capacity, **params)
         select = self.params["select"]
+        own = RULE_OPTIONS.get(select, ())
         for rule, names in RULE_OPTIONS.items():
-            stray = [name for name in names if name in self.given and rule != select]
+            stray = [name for name in names if name in self.given and name not in own]
             if stray:
                 raise InfinikvError(f"--{stray[0].replace('_', '-')} applies to --select {rule}, not {select}")
         if "coverage" in self.given and "mass" in self.given:
@@ -325,8 +347,12 @@ class InfiniGen(Policy):
             return rule | {"alpha": params["alpha"]}
         if params["select"] == "oracle":
             return rule | {"mass": 1.0}
-        mass = params["mass"] or chosen_mass(self.prep, index, params["coverage"])
-        return rule | {"mass": mass, "keep_first": params["keep_first"], "keep_recent": params["keep_recent"]}
+        mass = 1.0 if params["select"] == "top" else params["mass"] or chosen_mass(self.prep, index, params["coverage"])
+        return rule | {
+            "mass": mass,
+            "keep_first": params["keep_first"],
+            "keep_recent": params["keep_recent"],
+        }
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
@@ -338,22 +364,36 @@ class InfiniGen(Policy):
         return out
 
     def make_cache(self, model: torch.nn.Module, max_length: int | None = None, static: bool = False) -> KVCache:
+        self.setup(model)
+        return super().make_cache(model, max_length, static)
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """What building the layers for ``model`` needs: its calibration (an error without one)."""
         if self.prep is None:
             raise InfinikvError(
-                "infinigen needs its calibration for this model: run `infinikv prepare --model MODEL` "
+                f"{self.name} needs infinigen's calibration for this model: run `infinikv prepare --model MODEL` "
                 "(or policy.prepare(model, tokenizer)) first"
             )
         self.modules = attention_modules(model)
         self.rotary = is_rotary(model)
-        return super().make_cache(model, max_length, static)
 
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         if index < self.params["dense_layers"]:
             return KVLayer(Slots())
+        pooled = self.pool is not None
+        evictor = Evictor(POOL_RULES[self.params["eviction"] or "counter"](), self.pool) if pooled else None
+        return KVLayer(Slots(home=slow_tier(model)), evictor, TwoTier(self.speculation(index, model)))
+
+    def one_ahead(self, device: torch.device) -> bool:
+        """Whether layers speculate one layer ahead on ``device`` (``--ahead``)."""
+        return self.params["ahead"] == "1" or (self.params["ahead"] == "auto" and device.type == "cuda")
+
+    def speculation(self, index: int, model: torch.nn.Module, in_order: bool = True) -> Speculation:
+        """Layer ``index``'s speculation (after ``setup``); ``in_order``: see ``Speculation``."""
         _, _, head_dim = model_shape(model.config)
         module = self.modules[index]
         oracle = self.params["select"] == "oracle"  # every column of the layer's own query and keys
-        ahead = not oracle and index > 0  # layer 0 has no layer before it: it speculates from its own input
+        ahead = not oracle and index > 0 and self.one_ahead(module.q_proj.weight.device)  # layer 0: none before
         ratio = 1.0 if oracle else self.params["partial_ratio"]
         columns = kept_columns(self.prep, index, self.rotary, ratio, head_dim).to(module.q_proj.weight.device)
         weight, bias = partial_weights(module, columns)
@@ -362,8 +402,7 @@ class InfiniGen(Policy):
             own, theirs = rotary_inv_freq(model, index), rotary_inv_freq(model, index - 1)
             if own is not None and (theirs is None or not torch.equal(own, theirs)):
                 frequencies = own.to(columns.device)[columns % (head_dim // 2)]
-        pooled = self.pool is not None
-        speculation = Speculation(
+        return Speculation(
             columns,
             weight,
             bias,
@@ -371,13 +410,12 @@ class InfiniGen(Policy):
             self.rule(index),
             module.scaling,
             not self.params["no_overlap"],
-            pooled,
+            self.pool is not None,
             ahead,
             frequencies,
             query_norm(module, self.prep, index, columns),
+            in_order,
         )
-        evictor = Evictor(POOL_RULES[self.params["eviction"] or "counter"](), self.pool) if pooled else None
-        return KVLayer(Slots(home=slow_tier(model)), evictor, TwoTier(speculation))
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
         total = prompt_tokens + max_new_tokens

@@ -38,7 +38,7 @@ class HeavyHitter(Rule):
     observes = True
     state = {"score": StateSpec(torch.float32)}
 
-    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor, queries: int) -> None:
         slots.state["score"][:, :, : mass.shape[-1]] += mass
 
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
@@ -55,7 +55,7 @@ class Tova(Rule):
     observes = True
     state = {"last": StateSpec(torch.float32)}
 
-    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor) -> None:
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor, queries: int) -> None:
         slots.state["last"][:, :, : last.shape[-1]] = last
 
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
@@ -93,7 +93,48 @@ class Merge(HeavyHitter):
         slots.drop(victims, take)
 
 
-RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge)}
+class Question(Rule):
+    """SnapKV's (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024):
+    a prompt ends with what is asked of it, so its last ``observation_window`` queries score every
+    prompt token, max-pooled over ``pooling`` neighbouring slots so a needle is kept whole, not
+    token by token; the prompt is held whole until its chunk is scored (one forward: the peak is
+    the prompt). Later forwards add the attention they pay, as H2O does, and the newest
+    ``observation_window`` tokens are always kept."""
+
+    name = "snapkv"
+    options = (
+        Option(
+            "observation_window",
+            int,
+            32,
+            "snapkv: a prompt's last queries that score it, and the newest tokens always kept, >= 1",
+            lambda n: n >= 1,
+        ),
+        Option("pooling", int, 7, "snapkv: neighbouring slots pooled into a score, odd, >= 1", lambda n: n % 2 == 1),
+    )
+    observes = True
+    state = {"score": StateSpec(torch.float32)}
+
+    def watched(self) -> int:
+        return self.params["observation_window"]
+
+    def observe(self, slots: Slots, mass: torch.Tensor, last: torch.Tensor, queries: int) -> None:
+        score = slots.state["score"][:, :, : mass.shape[-1]]
+        if queries == 1:
+            score += mass
+            return
+        width = self.params["pooling"]  # a chunk's slots are in position order until it evicts
+        b, h, n = last.shape
+        pooled = torch.nn.functional.max_pool1d(last.view(b * h, 1, n), width, stride=1, padding=width // 2)
+        score += pooled.view(b, h, n)
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        position = slots.state["position"][:, :, : at.length]
+        recent = position > at.newest - self.params["observation_window"]
+        return torch.where(recent, math.inf, slots.state["score"][:, :, : at.length])
+
+
+RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge, Question)}
 
 
 def rule_options() -> dict[str, Option]:
