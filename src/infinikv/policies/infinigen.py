@@ -371,7 +371,7 @@ class InfiniGen(Policy):
         """What building the layers for ``model`` needs: its calibration (an error without one)."""
         if self.prep is None:
             raise InfinikvError(
-                f"{self.name} needs infinigen's calibration for this model: run `infinikv prepare --model MODEL` "
+                "infinigen needs its calibration for this model: run `infinikv prepare --model MODEL` "
                 "(or policy.prepare(model, tokenizer)) first"
             )
         self.modules = attention_modules(model)
