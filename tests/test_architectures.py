@@ -67,7 +67,7 @@ def family(request):
 def keeping_everything(name: str, model) -> object:
     """``name`` at a setting that keeps (or fetches) every token the model attends to."""
     if name == "infinigen":
-        policy = make_policy(name, mass=1.0, max_fetch=1.0)
+        policy = make_policy(name, max_fetch=1.0)
         policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
         return policy
     if name == "quant":

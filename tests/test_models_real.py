@@ -70,7 +70,7 @@ def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
     batches = {}
     for policy_name in (n for n in policy_names() if n != "quant"):
         if policy_name == "infinigen":  # fetching every token: any calibration serves (a short one, in memory)
-            policy = make_policy(policy_name, mass=1.0, max_fetch=1.0)
+            policy = make_policy(policy_name, max_fetch=1.0)
             policy.prep = calibrate(model, prompt[:, :256])
         elif REGISTRY[policy_name].takes_budget:
             policy = make_policy(policy_name, capacity=4096)
