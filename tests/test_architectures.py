@@ -66,8 +66,8 @@ def family(request):
 
 def keeping_everything(name: str, model) -> object:
     """``name`` at a setting that keeps (or fetches) every token the model attends to."""
-    if name == "infinigen":
-        policy = make_policy(name, max_fetch=1.0)
+    if REGISTRY[name].needs_preparation:  # infinigen fetching everything; recall's fast tier holding it
+        policy = make_policy(name, capacity=4096) if REGISTRY[name].takes_budget else make_policy(name, max_fetch=1.0)
         policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
         return policy
     if name == "quant":
@@ -110,6 +110,8 @@ def test_batched_rows_equal_each_alone(family, name):
     model's own layers: each row's tokens are those it gets alone."""
     _, model = family
     policy = make_policy(name, capacity=12) if REGISTRY[name].takes_budget else keeping_everything(name, model)
+    if policy.needs_preparation and policy.prep is None:  # recall: speculation over what its fast tier evicts
+        policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (23, 9)]
 
     def greedy(rows: list[list[int]]) -> list[list[int]]:
@@ -139,7 +141,7 @@ def test_gemma3_speculation_with_every_column_is_the_layers_query():
     """Gemma 3's global layer 1 speculates from sliding layer 0 (another RoPE base) through its
     QK-norm: with every column kept, the partial query is the query the layer computes."""
     model = attach(build("gemma3").eval())
-    policy = make_policy("infinigen", partial_ratio=1.0)
+    policy = make_policy("infinigen", partial_ratio=1.0, select="mass", ahead="1")
     policy.prep = calibrate(model, torch.randint(0, VOCAB, (1, 64)))
     cache = policy.make_cache(model)
     assert [layer.tiers is not None for layer in cache.layers] == [False, True, False, True]

@@ -69,13 +69,12 @@ def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
 
     batches = {}
     for policy_name in (n for n in policy_names() if n != "quant"):
-        if policy_name == "infinigen":  # fetching every token: any calibration serves (a short one, in memory)
-            policy = make_policy(policy_name, max_fetch=1.0)
-            policy.prep = calibrate(model, prompt[:, :256])
-        elif REGISTRY[policy_name].takes_budget:
+        if REGISTRY[policy_name].takes_budget:  # recall's fast tier holding every token
             policy = make_policy(policy_name, capacity=4096)
-        else:
-            policy = make_policy(policy_name)
+        else:  # infinigen fetching every token
+            policy = make_policy(policy_name, **({"max_fetch": 1.0} if policy_name == "infinigen" else {}))
+        if policy.needs_preparation:  # any calibration serves: a short one, in memory
+            policy.prep = calibrate(model, prompt[:, :256])
         batches[policy_name] = Batch(model, policy)
     tokens = [batch.prefill([prompt[0].tolist()], pad_id=0).argmax(-1) for batch in batches.values()]
     generated = [tokens]
