@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..cache import Evictor, KVCache, KVLayer, Selection, TwoTier
-from ..contract import Budget, Cost, Option, Rule, Scoring
+from ..contract import Budget, Cost, Option
 from ..errors import InfinikvError
 from ..kv.rope import rotary_inv_freq
 from ..kv.slots import Slots, StateSpec, put
@@ -34,6 +34,7 @@ from ..modules import attention_modules, is_rotary, partial_weights
 from ..sizes import model_shape
 from .base import Policy, Reader
 from .calibration import Fit, calibration_table, chosen_mass, fit_and_save, kept_columns, load, query_norm
+from .pool import POOL_RULES
 
 DEFAULT_CALIBRATION = "austen:persuasion"
 CALIBRATION_TOKENS = 4096
@@ -136,41 +137,6 @@ class Speculation(Selection):
         return valid & ((position < first) | (position > newest - recent))
 
 
-class PoolRule(Rule):
-    """The bounded pool's eviction (InfiniGen's Table 2): the entry ranked lowest goes, but never
-    one of the newest tenth of the pool, so a token is not dropped before it could be fetched."""
-
-    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        raise NotImplementedError
-
-    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        position = slots.state["position"][:, :, : at.length]
-        protected = position > at.newest - torch.ceil(at.capacity * 0.1)
-        return torch.where(protected, math.inf, self.ranking(slots, at))
-
-
-class Counter(PoolRule):
-    name = "counter"
-
-    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        return slots.state["fetches"][:, :, : at.length]  # the fewest fetches so far
-
-
-class LeastRecent(PoolRule):
-    name = "lru"
-
-    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        return slots.state["last_fetch"][:, :, : at.length]  # the least recently fetched
-
-
-class Oldest(PoolRule):
-    name = "fifo"
-
-    def ranking(self, slots: Slots, at: Scoring) -> torch.Tensor:
-        return slots.state["position"][:, :, : at.length].float()
-
-
-POOL_RULES = {rule.name: rule for rule in (Counter, LeastRecent, Oldest)}
 RULE_OPTIONS = {  # by --select
     "top": ("keep_first", "keep_recent"),
     "mass": ("coverage", "mass", "keep_first", "keep_recent"),
