@@ -130,6 +130,23 @@ def test_models_and_data_listings(capsys):
     assert code == 0 and "smollm2-135m" in out
 
 
+def test_every_commands_help_prints():
+    """argparse formats a help string only when asked: a stray % in one fails only then."""
+    from argparse import _SubParsersAction
+
+    from infinikv.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, _SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    helps = [parser.format_help() for parser in parsers(build_parser())]
+    assert len(helps) > 10 and all(text.startswith("usage:") for text in helps)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -229,6 +246,7 @@ def test_eval_stream_with_plot(capsys, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [len(r["windows"]) for r in rows] == [3, 3]
     assert rows[0]["windows"][-1]["kv_bytes"] == 64 * 30 * 2 * 3 * 64 * 4  # bct holds exactly its capacity
+    assert rows[0]["windows"][-1]["kv_tiers"] == {"held": 64 * 30 * 2 * 3 * 64 * 4}
 
 
 SPEED_FIELDS = {

@@ -50,6 +50,8 @@ def test_the_fast_tier_never_grows_and_nothing_is_lost(real, emma_ids):
             assert torch.equal(every, torch.arange(120))
     tiers = layers[0].tier_bytes()
     assert tiers["pool"] == 88 * layers[0].pool.bytes_per_token() and 0 < tiers["partial"] < tiers["pool"]
+    summed = batch.cache.tier_bytes()  # what eval stream and bench generation report per window
+    assert summed["fast"] == sum(sizes[-1]) and summed["fast"] + summed["pool"] == batch.cache.held_bytes()
 
 
 @torch.inference_mode()

@@ -1,10 +1,12 @@
 """The server, end to end: a real ``infinikv serve`` on a free loopback port, the real ``openai`` client."""
 
 import re
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -21,12 +23,11 @@ KV_MEMORY = 64 * 2**20  # 1,456 tokens of smollm2-135m's fp32 K/V (46,080 bytes 
 PER_TOKEN = 46080
 
 
-@pytest.fixture(scope="module")
-def server():
-    """Base URL of a server with a 64 MiB K/V budget, a queue of one and an API key."""
+@contextmanager
+def running(*flags: str):
+    """Base URL of a real ``infinikv serve`` started with ``flags``, once its port answers."""
     port = free_port()
-    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", MODEL, "--port", str(port)]
-    command += ["--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1"]
+    command = [sys.executable, "-m", "infinikv.cli", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -37,12 +38,23 @@ def server():
                 break
         except httpx.HTTPError:
             time.sleep(0.25)
-    yield base
-    proc.terminate()
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Base URL of a server with a 64 MiB K/V budget, a queue of one, an API key and InfiniGen
+    prepared at start."""
+    flags = ["--model", MODEL, "--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1"]
+    with running(*flags, "--prepare", "infinigen") as base:
+        yield base
 
 
 @pytest.fixture
@@ -220,7 +232,8 @@ GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
         ("completions", [1, 2], 400, "body"),
         ("completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
         ("completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
-        ("completions", {**GOOD, "max_tokens": 10**6}, 400, "context"),
+        ("completions", {**GOOD, "max_tokens": 10**6}, 400, "trained context of 8192 tokens under full; a policy"),
+        ("completions", {**GOOD, "kv": {"policy": "infinigen", "max_fetch": 0.2}}, 400, "--prepare 'infinigen[max_"),
         ("completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
         ("completions", {**GOOD, "prompt": "   "}, 400, "empty"),
         ("completions", {**GOOD, "prompt": ["a", "b"]}, 400, "one prompt"),
@@ -245,6 +258,35 @@ def test_bad_input(server, path, body, status, says):
     assert r.status_code == status
     error = r.json()["error"]
     assert says in error["message"] and error["type"]
+
+
+def test_bounded_policies_run_past_the_trained_context(tiny_folder, tmp_path):
+    """A model trained on 64 positions: ``full`` cannot go past them and says which policy can;
+    ``bct`` (renumbered keys) generates 120 tokens after a 20-token prompt through the openai client."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_folder)
+    config.max_position_embeddings = 64
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_folder, folder)
+    config.save_pretrained(folder)
+    with running("--model", str(folder), "--kv-memory", "16MiB") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        ask = {"model": str(folder), "prompt": "one two three four " * 5, "max_tokens": 120, "temperature": 0}
+        with pytest.raises(openai.BadRequestError, match="trained context of 64 tokens under full.*: bct"):
+            client.completions.create(**ask)
+        past = client.completions.create(**ask, extra_body={"kv": {"policy": "bct", "capacity": 16}})
+        assert past.usage.completion_tokens == 120 and past.usage.prompt_tokens + 120 > 64
+        with pytest.raises(openai.BadRequestError, match="trained context of 64 tokens under bct"):
+            client.completions.create(
+                **ask, extra_body={"kv": {"policy": "bct", "capacity": 16, "positions": "original"}}
+            )
+
+
+def test_a_budget_that_holds_no_request_is_refused_at_start(capsys):
+    assert main(["serve", "--kv-memory", "1KiB", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-memory of 0.00 MiB cannot hold one request of the default kv full" in err and err.count("\n") == 1
 
 
 def test_worst_case_bytes(real):

@@ -67,6 +67,14 @@ class KVCache(Cache):
     def held_bytes(self) -> int:
         return sum(layer.held_bytes() for layer in self.layers)
 
+    def tier_bytes(self) -> dict[str, int]:
+        """K/V held now by tier (``KVLayer.tier_bytes``), summed over layers."""
+        tiers: dict[str, int] = {}
+        for layer in self.layers:
+            for tier, size in layer.tier_bytes().items():
+                tiers[tier] = tiers.get(tier, 0) + size
+        return tiers
+
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)
 

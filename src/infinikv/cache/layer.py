@@ -262,6 +262,10 @@ class KVLayer(CacheLayerMixin):
     def held_bytes(self) -> int:
         return self.slots.held_bytes()
 
+    def tier_bytes(self) -> dict[str, int]:
+        """K/V held now, by where it is held (one store here; a layer with a pool says more)."""
+        return {"held": self.held_bytes()}
+
     def allocated_bytes(self) -> int:
         return self.slots.allocated_bytes()
 

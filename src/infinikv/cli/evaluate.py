@@ -178,7 +178,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     add_ray_arguments(p)
     p.set_defaults(func=cmd_ppl)
 
-    p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%")
+    p = ev.add_parser("needle", help="P-needle: pass-key retrieval at depths 10..90%%")
     add_run_arguments(p, GRID_JSON)
     p.add_argument("--text", default="austen:prideprejudice", help="haystack text (default austen:prideprejudice)")
     p.add_argument("--context", type=int, default=4096)

@@ -10,6 +10,7 @@ from .. import models
 from ..cluster import LOCAL
 from ..contract import REFERENCE
 from ..errors import InfinikvError
+from ..policies import parse_spec
 from .common import (
     add_model_argument,
     add_policy_arguments,
@@ -18,13 +19,19 @@ from .common import (
     given_options,
     mib,
     single_policy,
+    split_policies,
 )
 
 
-def check(args: argparse.Namespace) -> None:
+def check(args: argparse.Namespace) -> list[dict]:
+    """Refuse bad flags before anything loads; the specs of ``--prepare``."""
     if args.max_queue < 0 or (args.threads is not None and args.threads < 1) or args.prefill_chunk < 1:
         raise InfinikvError("--max-queue must be >= 0, --threads and --prefill-chunk at least 1")
     check_ray_flags(args, "replica", serve=True)
+    prepare = [{"policy": name, **options} for name, options in split_policies(args.prepare)]
+    for spec in prepare:
+        parse_spec(spec)
+    return prepare
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -36,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..sizes import parse_bytes
 
     kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
-    check(args)
+    prepare = check(args)
     if not 0 < args.port < 65536:
         raise InfinikvError("--port must be in 1..65535")
     with socket.socket() as probe:
@@ -45,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_key": args.api_key}
-    options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile}
+    options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile, "prepare": prepare}
     if args.ray is not None:
         return serve_on_ray(args, spec, options)
     if args.threads:
@@ -54,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = models.load_model(args.model)
     spec = spec or models.default_policy_spec(model) or {"policy": REFERENCE}
-    app = create_app(model, tokenizer, args.model, spec, **options)
+    app = create_app(model, tokenizer, args.model, spec, say=say, **options)
     print(
         f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
         f"--kv-memory {mib(kv_memory)})",
@@ -62,6 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def say(message: str) -> None:
+    print(f"infinikv: {message}", file=sys.stderr)
 
 
 def serve_on_ray(args: argparse.Namespace, spec: dict | None, options: dict) -> int:
@@ -98,7 +109,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
     if args.long_every < 0 or args.long_prompt < 0:
         raise InfinikvError("--long-every and --long-prompt must be >= 0")
-    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue)]
+    serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue), "--prepare", args.prepare]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
     serve_args += ["--prefill-chunk", str(args.prefill_chunk)] + (["--compile"] if args.compile else [])
     if spec:
@@ -198,6 +209,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="most prompt tokens prefilled between two decode steps (default 512; fewer while streams run)",
     )
     p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
+    p.add_argument(
+        "--prepare",
+        default="",
+        help="comma-separated policies, each NAME[option=value,...], built and prepared (InfiniGen's calibration) "
+        "before the port opens, besides the default policy; a request naming another that needs a "
+        "preparation is refused (400)",
+    )
     add_policy_arguments(p)
     group = add_ray_flag(p, "serve replicas on Ray Serve")
     group.add_argument("--replicas", type=int, default=None, help="replicas, each with its own model and K/V budget")

@@ -58,6 +58,7 @@ def stream(
                     "perplexity": math.exp(float(nll[first:end].mean())),
                     "rss_bytes": process.memory_info().rss,
                     "kv_bytes": cache.held_bytes(),
+                    "kv_tiers": cache.tier_bytes(),
                 }
             )
     bar.close()

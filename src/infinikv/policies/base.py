@@ -1,7 +1,7 @@
 """The policy contract's composing half: a ``Policy`` declares its options and budget, builds each
 layer's cache from stages (``cache``: slots, an evictor, a two-tier fetcher), and answers what
 the CLI, the server and the planner ask through its declared capabilities (``options``,
-``worst_case_bytes``, ``needs_preparation``/``prepare``, ``compilable``, ``cost``,
+``worst_case_bytes``, ``longest``, ``needs_preparation``/``prepare``, ``compilable``, ``cost``,
 ``describe``/``label``), never through its name.
 """
 
@@ -36,6 +36,7 @@ class Policy(ABC):
     needs_preparation: ClassVar[bool] = False  # a calibration must run (``prepare``) before caches are built
     compilable: ClassVar[bool] = False  # its decode step can have static shapes (``static_size``)
     cost: ClassVar[Cost | None] = None  # what the offload planner models of it (None: not modelled)
+    past_trained_context: ClassVar[bool] = False  # some setting of it runs past the trained context (``longest``)
 
     def __init__(self, budget: float | None = None, capacity: int | None = None, **params: Any) -> None:
         known = {o.name: o for o in self.all_options()}
@@ -84,6 +85,11 @@ class Policy(ABC):
         """The most tokens a layer holds for one request (see ``Budget.worst_case``)."""
         total = prompt_tokens + max_new_tokens
         return total if self.budget is None else self.budget.worst_case(prompt_tokens, total)
+
+    def longest(self, model: torch.nn.Module) -> int | None:
+        """The most tokens (prompt + generated) a request may run to under this policy on ``model``:
+        the trained context, since keys keep the positions they were seen at; None: no limit."""
+        return getattr(model.config, "max_position_embeddings", None)
 
     def token_bytes(self, config: Any) -> int:
         """K/V bytes one token takes in one of the layers this policy manages, in the model's dtype."""

@@ -34,6 +34,7 @@ class BoundedCache(Evicting):
     """
 
     name = "bct"
+    past_trained_context = True
     options = (
         Option("update_rule", str, DEFAULT_RULE, "an eviction rule (see the README)", lambda r: r in RULES),
         Option("kv_memory", str, "", "total K/V bytes for all layers, e.g. 64MiB (sets the capacity)"),
@@ -118,6 +119,12 @@ class BoundedCache(Evicting):
         if budget.tokens is None:
             raise InfinikvError("compiling bct needs --capacity or --kv-memory (a --budget fraction is settled late)")
         return budget.tokens + 1
+
+    def longest(self, model: torch.nn.Module) -> int | None:
+        """No limit where kept keys are renumbered (``--positions auto`` or ``rank`` on a RoPE model):
+        the distances a query sees never outgrow the capacity."""
+        self.setup(model)
+        return None if self.threshold is not None else super().longest(model)
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
         return self.resolve(config).worst_case(prompt_tokens, prompt_tokens + max_new_tokens, fixed=True)

@@ -96,10 +96,12 @@ class Merge(HeavyHitter):
 class Question(Rule):
     """SnapKV's (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024):
     a prompt ends with what is asked of it, so its last ``observation_window`` queries score every
-    prompt token, max-pooled over ``pooling`` neighbouring slots so a needle is kept whole, not
-    token by token; the prompt is held whole until its chunk is scored (one forward: the peak is
-    the prompt). Later forwards add the attention they pay, as H2O does, and the newest
-    ``observation_window`` tokens are always kept."""
+    prompt token. A slot scores the most of itself and the ``pooling - 1`` slots before it (SnapKV
+    pools both ways, over 7): what a question looks at is a fact's key words, and the value it
+    asks for follows them (a 7-digit number, a 30-token UUID), so the value is kept with its key.
+    The prompt is held whole until its chunk is scored (one forward: the peak is the prompt).
+    Later forwards add the attention they pay, as H2O does, and the newest ``observation_window``
+    tokens are always kept."""
 
     name = "snapkv"
     options = (
@@ -110,7 +112,13 @@ class Question(Rule):
             "snapkv: a prompt's last queries that score it, and the newest tokens always kept, >= 1",
             lambda n: n >= 1,
         ),
-        Option("pooling", int, 7, "snapkv: neighbouring slots pooled into a score, odd, >= 1", lambda n: n % 2 == 1),
+        Option(
+            "pooling",
+            int,
+            64,
+            "snapkv: a slot scores the most of itself and the pooling - 1 slots before it, >= 1",
+            lambda n: n >= 1,
+        ),
     )
     observes = True
     state = {"score": StateSpec(torch.float32)}
@@ -125,8 +133,8 @@ class Question(Rule):
             return
         width = self.params["pooling"]  # a chunk's slots are in position order until it evicts
         b, h, n = last.shape
-        pooled = torch.nn.functional.max_pool1d(last.view(b * h, 1, n), width, stride=1, padding=width // 2)
-        score += pooled.view(b, h, n)
+        before = torch.nn.functional.pad(last.view(b * h, 1, n), (width - 1, 0), value=-math.inf)
+        score += torch.nn.functional.max_pool1d(before, width, stride=1).view(b, h, n)
 
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
         position = slots.state["position"][:, :, : at.length]

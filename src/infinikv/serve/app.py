@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, Protocol
 
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ..core import Sampling
 from ..errors import InfinikvError
-from ..policies import Policy, parse_spec
+from .catalog import PolicyCatalog
 from .scheduler import Event, Scheduler, Sequence, ServeError
 
 Int = Annotated[int, Field(strict=True)]
@@ -116,11 +116,25 @@ def create_app(
     prefill_chunk: int = 512,
     compile: bool = False,
     peers: Peers | None = None,
+    prepare: Iterable[dict[str, Any]] = (),
+    say: Callable[[str], None] = lambda _: None,
 ) -> FastAPI:
-    """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. With
-    ``peers`` the app is one replica of several and its /metrics labels each replica's numbers."""
-    context = getattr(model.config, "max_position_embeddings", None) or 2**31
-    make_request_policy(default_kv)  # a bad default fails at start, not per request
+    """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. It and
+    the specs in ``prepare`` are built and prepared here, before the port opens (``say`` tells
+    the progress); a bad one, or a ``kv_memory`` that cannot hold one default request, raises
+    ``InfinikvError``. With ``peers`` the app is one replica of several and its /metrics labels
+    each replica's numbers."""
+    catalog = PolicyCatalog(model, tokenizer)
+    default = catalog.prepare(default_kv, say)
+    for spec in prepare:
+        catalog.prepare(spec, say)
+    smallest = default.worst_case_bytes(model.config, 1, CHAT_DEFAULT_MAX_TOKENS)
+    if smallest > kv_memory:
+        raise InfinikvError(
+            f"--kv-memory of {kv_memory / 2**20:.2f} MiB cannot hold one request of the default kv {default!r}: "
+            f"a 1-token prompt with the default max_tokens {CHAT_DEFAULT_MAX_TOKENS} needs up to "
+            f"{smallest / 2**20:.2f} MiB"
+        )
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -199,13 +213,15 @@ def create_app(
 
     async def run(body: Common, ids: list[int], max_tokens: int, request: Request, chat: bool) -> Response:
         check_request(body, model_name)
-        if len(ids) + max_tokens > context:
+        policy, longest = catalog.get(body.kv or default_kv)
+        if longest is not None and len(ids) + max_tokens > longest:
             raise ServeError(
                 400,
-                f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context of {context} tokens",
+                f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's trained context of {longest} "
+                f"tokens under {policy!r}; a policy that renumbers positions can go past it: "
+                f'{", ".join(catalog.past_context())} (e.g. kv {{"policy": "bct", "capacity": 1024}})',
                 param="max_tokens",
             )
-        policy = make_request_policy(body.kv or default_kv)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ServeError(400, "stop takes up to 4 non-empty strings", param="stop")
@@ -344,14 +360,6 @@ def check_request(body: Common, model_name: str) -> None:
     for name, off in UNSUPPORTED.items():
         if (body.model_extra or {}).get(name) not in off:
             raise ServeError(400, f"{name} is not supported by infinikv", param=name)
-
-
-def make_request_policy(spec: dict[str, Any]) -> Policy:
-    """A policy from a request's ``kv`` field, e.g. ``{"policy": "sink", "budget": 0.2}``."""
-    try:
-        return parse_spec(spec)
-    except (InfinikvError, TypeError) as exc:
-        raise ServeError(400, f"kv: {exc}", param="kv") from None
 
 
 def prometheus(replicas: dict[str, dict[str, Any]]) -> str:

@@ -24,7 +24,6 @@ from ..core import Batch, Sampling, next_tokens, step_together
 from ..engine import end_of_sequence_ids
 from ..errors import InfinikvError
 from ..policies import Policy
-from ..preparation import ensure_prepared
 from ..text import Detokenizer
 
 Event = tuple[str, Any]  # ("text", piece) | ("done", finish_reason) | ("error", message)
@@ -232,7 +231,6 @@ class Scheduler:
         if seq.cancelled:
             return
         if seq.batch is None:
-            ensure_prepared(seq.policy, self.model, self.tokenizer)
             length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
             seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
             seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
