@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+import torch
 
 from infinikv import Sampling, generate, make_policy
 from infinikv.cli import main
@@ -326,6 +327,18 @@ def test_bench_serve():
     assert result["peak_rss_bytes"] > result["model_bytes"] > 0 and result["requests_per_second"] > 0
 
 
+def test_bench_serve_turns_continued_and_fresh():
+    from infinikv.serve.turns import bench_turns, turns_table
+
+    result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 2, 2, 20, 4)
+    assert result["errors"] == 0
+    first, second = result["turns_table"]
+    assert first["continued_cached_tokens"] == first["fresh_cached_tokens"] == second["fresh_cached_tokens"] == 0
+    assert 0 < second["continued_cached_tokens"] < second["prompt_tokens"]  # every client continued its cache
+    assert second["continued_kv_bytes"] == second["fresh_kv_bytes"]  # full: the same tokens either way
+    assert "cached" in turns_table(result).splitlines()[1]
+
+
 def test_a_long_prefill_is_chunked_between_decode_steps(real):
     """While a stream decodes, a long prompt is prefilled a chunk at a time with decode steps in
     between (the stream keeps getting tokens), and both finish with the right texts."""
@@ -364,3 +377,110 @@ def test_a_long_prefill_is_chunked_between_decode_steps(real):
     assert events["long"][-1][0] == ("done", "length")
     assert finished_at - 3 >= 1000 // 128  # at least one decode step per chunk before the prefill ended
     assert len([e for e in events["stream"] if 3 <= e[1] <= finished_at and e[0][0] == "text"]) >= 1000 // 128
+
+
+def converse(scheduler, *turns):
+    """Run ``turns`` (each a Sequence) one after another on ``scheduler``; each must complete."""
+    import threading
+
+    for seq in turns:
+        finished = threading.Event()
+        seq.emit = lambda event, finished=finished: event[0] in ("done", "error") and finished.set()
+        scheduler.submit(seq)
+        assert finished.wait(120) and seq.finish_reason in ("stop", "length")
+    return turns
+
+
+@torch.inference_mode()
+def test_a_conversation_continues_its_cache(real):
+    """With ``full`` the next turn, continued, gives the tokens of the whole conversation sent
+    fresh; with ``bct`` the continued cache equals one Batch fed the same tokens in the same order."""
+    from infinikv.core import Batch
+    from infinikv.serve.scheduler import Scheduler, Sequence
+
+    model, tokenizer = real
+    first = tokenizer("Alice lives in Paris and keeps three cats. Bob lives in Rome.").input_ids
+    more = tokenizer(" Question: where does Alice live? Answer:").input_ids
+    for spec in ({"policy": "full"}, {"policy": "bct", "capacity": 24}):
+        policy = make_policy(spec.pop("policy"), **spec)
+        scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=4)
+        try:
+            one = Sequence(first, policy, Sampling(6), [], None)
+            converse(scheduler, one)
+            second = first + one.tokens + more
+            two = Sequence(second, policy, Sampling(6), [], None)
+            converse(scheduler, two)
+            kept = list(scheduler.conversations.idle.values())
+        finally:
+            scheduler.close()
+        assert two.reused == len(first) + one.fed == len(first) + len(one.tokens) - 1  # the last pick is unfed
+        assert scheduler.conversations.hits == 1 and scheduler.snapshot()["reuse_tokens_saved"] == two.reused
+        if policy.name == "full":
+            fresh = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0)
+            try:
+                alone = Sequence(second, policy, Sampling(6), [], None)
+                converse(fresh, alone)
+            finally:
+                fresh.close()
+            assert alone.tokens == two.tokens and alone.reused == 0 and not fresh.conversations.idle
+            continue
+        reference = Batch(model, policy)
+        reference.cache.expect([len(first)])
+        reference.feed(torch.tensor([first]))
+        for token in one.tokens[: one.fed]:
+            reference.step(torch.tensor([token]))
+        reference.feed(torch.tensor([second[two.reused :]]))
+        for token in two.tokens[: two.fed]:
+            reference.step(torch.tensor([token]))
+        assert kept[-1].tokens == second + two.tokens[: two.fed]
+        for ours, theirs in zip(kept[-1].batch.cache.layers, reference.cache.layers, strict=True):
+            assert ours.slots.held == theirs.slots.held == [24]
+            n = theirs.slots.n
+            for name in ("position", "valid"):
+                assert torch.equal(ours.slots.state[name][..., :n], theirs.slots.state[name][..., :n])
+            assert torch.allclose(ours.slots.keys[:, :, :n], theirs.slots.keys[:, :, :n], atol=1e-5)
+
+
+def test_idle_conversations_make_room_least_recently_used_first(real):
+    from infinikv.serve.scheduler import Scheduler, Sequence
+
+    model, tokenizer = real
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
+    full = make_policy("full")
+    budget = (len(prompt) + 40) * PER_TOKEN  # one request of 40 new tokens, nothing beside it
+    scheduler = Scheduler(model, tokenizer, kv_memory=budget, max_queue=4, keep_conversations=2)
+    try:
+        a, b = converse(
+            scheduler, Sequence(prompt, full, Sampling(4), [], None), Sequence(prompt, full, Sampling(5), [], None)
+        )
+        kept = scheduler.snapshot()
+        assert kept["conversations_kept"] == 2 and kept["kv_bytes_kept"] == (2 * len(prompt) + 3 + 4) * PER_TOKEN
+        converse(scheduler, Sequence(prompt, full, Sampling(6), [], None))  # the third: the oldest goes
+        assert scheduler.conversations.dropped == 1
+        assert [len(c.tokens) for c in scheduler.conversations.idle.values()] == [len(prompt) + 4, len(prompt) + 5]
+        converse(scheduler, Sequence(prompt, full, Sampling(40), [], None))  # needs the whole budget
+        after = scheduler.snapshot()
+        assert (
+            after["conversations_dropped"] == 3
+            and after["conversations_kept"] == 1
+            and after["kv_bytes_kept"] <= budget
+        )
+    finally:
+        scheduler.close()
+
+
+def test_a_chat_continues_its_cache_over_http(client, server):
+    before = metrics(server)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+    after = metrics(server)
+    assert after["infinikv_reuse_hits_total"] == before["infinikv_reuse_hits_total"] + 1
+    assert after["infinikv_reuse_tokens_saved_total"] - before["infinikv_reuse_tokens_saved_total"] == (
+        second.usage.prompt_tokens_details.cached_tokens
+    )

@@ -25,8 +25,11 @@ from .common import (
 
 def check(args: argparse.Namespace) -> list[dict]:
     """Refuse bad flags before anything loads; the specs of ``--prepare``."""
-    if args.max_queue < 0 or (args.threads is not None and args.threads < 1) or args.prefill_chunk < 1:
-        raise InfinikvError("--max-queue must be >= 0, --threads and --prefill-chunk at least 1")
+    threads = args.threads if args.threads is not None else 1
+    if min(args.max_queue, args.keep_conversations) < 0 or threads < 1 or args.prefill_chunk < 1:
+        raise InfinikvError(
+            "--max-queue and --keep-conversations must be >= 0, --threads and --prefill-chunk at least 1"
+        )
     check_ray_flags(args, "replica", serve=True)
     prepare = [{"policy": name, **options} for name, options in split_policies(args.prepare)]
     for spec in prepare:
@@ -53,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_key": args.api_key}
     options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile, "prepare": prepare}
+    options |= {"keep_conversations": args.keep_conversations}
     if args.ray is not None:
         return serve_on_ray(args, spec, options)
     if args.threads:
@@ -109,7 +113,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")
     if args.long_every < 0 or args.long_prompt < 0:
         raise InfinikvError("--long-every and --long-prompt must be >= 0")
+    if args.turns < 0 or args.turn_tokens < 1:
+        raise InfinikvError("--turns must be >= 0 and --turn-tokens at least 1")
+    if args.turns and args.ray is not None:
+        raise InfinikvError("--turns runs on one server process; drop --ray")
     serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue), "--prepare", args.prepare]
+    serve_args += ["--keep-conversations", str(args.keep_conversations)]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
     serve_args += ["--prefill-chunk", str(args.prefill_chunk)] + (["--compile"] if args.compile else [])
     if spec:
@@ -119,6 +128,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 serve_args += [f"--{key}", str(spec[key])]
         for key, value in given_options(args).items():
             serve_args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    if args.turns:
+        return bench_conversations(args, serve_args)
     ray_args = []
     if args.ray is not None:
         ray_args = ["--ray"] + ([] if args.ray == LOCAL else [args.ray]) + ["--replicas", str(args.replicas or 1)]
@@ -158,6 +169,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print("infinikv: a server process's RSS went over --kv-memory + the model size", file=sys.stderr)
         return 1
     return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
+
+
+def bench_conversations(args: argparse.Namespace, serve_args: list[str]) -> int:
+    from ..serve.turns import bench_turns, turns_table
+
+    result = bench_turns(args.model, serve_args, args.clients, args.turns, args.turn_tokens, args.max_tokens)
+    print(json.dumps(result, indent=2) if args.json else turns_table(result))
+    for message in result["error_messages"]:
+        print(f"  error: {message}", file=sys.stderr)
+    return 0 if result["errors"] == 0 else 1
 
 
 def summary(r: dict, args: argparse.Namespace, kv_memory: int) -> str:
@@ -216,6 +237,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "before the port opens, besides the default policy; a request naming another that needs a "
         "preparation is refused (400)",
     )
+    p.add_argument(
+        "--keep-conversations",
+        type=int,
+        default=16,
+        help="finished requests whose caches are kept for their conversation's next turn, least recently used "
+        "dropped first and whenever admission needs the room (default 16; 0: none)",
+    )
     add_policy_arguments(p)
     group = add_ray_flag(p, "serve replicas on Ray Serve")
     group.add_argument("--replicas", type=int, default=None, help="replicas, each with its own model and K/V budget")
@@ -241,5 +269,13 @@ def add(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> N
     p.add_argument("--duration", type=float, default=300, help="stop after this many seconds (default 300)")
     p.add_argument("--long-every", type=float, default=0, help="send a long prompt every this many seconds (0: never)")
     p.add_argument("--long-prompt", type=int, default=4096, help="tokens of each long prompt (default 4096)")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=0,
+        help="each client holds a chat of this many turns, run with idle conversations kept and without "
+        "(time to first token and K/V per turn); 0: independent requests (default)",
+    )
+    p.add_argument("--turn-tokens", type=int, default=100, help="new user tokens per turn with --turns (default 100)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_serve)

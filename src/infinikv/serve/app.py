@@ -117,6 +117,7 @@ def create_app(
     compile: bool = False,
     peers: Peers | None = None,
     prepare: Iterable[dict[str, Any]] = (),
+    keep_conversations: int = 16,
     say: Callable[[str], None] = lambda _: None,
 ) -> FastAPI:
     """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. It and
@@ -139,7 +140,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        scheduler = state["scheduler"] = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile)
+        scheduler = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile, keep_conversations)
+        state["scheduler"] = scheduler
         state["started"] = time.time()
         stop = threading.Event()
         if peers:
@@ -283,7 +285,7 @@ async def stream(
             elif kind == "done":
                 yield sse(reply.chunk(None, seq.finish_reason))
                 if usage:
-                    yield sse({**reply.chunk(None), "choices": [], "usage": reply.usage()})
+                    yield sse({**reply.chunk(None), "choices": [], "usage": reply.usage(), "kv": reply.kv()})
                 yield "data: [DONE]\n\n"
                 return
             else:
@@ -307,7 +309,12 @@ class Reply:
 
     def usage(self) -> dict:
         prompt, completion = len(self.seq.prompt_ids), len(self.seq.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.seq.reused},  # continued from its conversation
+        }
 
     def kv(self) -> dict:
         extra = {} if self.seq.fetched_fraction is None else {"fetched_fraction": self.seq.fetched_fraction}
@@ -387,6 +394,11 @@ def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
         ("active_sequences", "gauge", "Sequences admitted and generating.", "active_sequences"),
         ("decode_steps_total", "counter", "Batched decode steps run.", "decode_steps"),
         ("batch_size_max", "gauge", "The most sequences one decode step has run.", "max_batch"),
+        ("conversations_kept", "gauge", "Idle conversations whose caches are kept.", "conversations_kept"),
+        ("kv_bytes_kept", "gauge", "K/V bytes the idle conversations hold.", "kv_bytes_kept"),
+        ("reuse_hits_total", "counter", "Requests that continued a kept conversation.", "reuse_hits"),
+        ("reuse_tokens_saved_total", "counter", "Prompt tokens not prefilled, continued.", "reuse_tokens_saved"),
+        ("conversations_dropped_total", "counter", "Idle conversations dropped (LRU).", "conversations_dropped"),
     ]
     for name, kind, help_text, key in metrics:
         lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -222,15 +224,7 @@ def bench_serve(
         from ..data import load_text
 
         long_text = load_text("austen:emma", from_chapter_one=True)[: 4 * long_prompt]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
-    log = tempfile.TemporaryFile()
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    try:
-        _wait_healthy(server, base, log, timeout=300)
+    with running_server(model, serve_args) as (base, server):
         idle = idle_latency(base, model)
         sampler = RssSampler(server.pid)
         sampler.start()
@@ -239,12 +233,6 @@ def bench_serve(
         )
         sampler.done.set()
         sampler.join()
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     weights = model_bytes(model)
     return {
         "clients": clients,
@@ -273,6 +261,27 @@ def bench_serve(
             else {}
         ),
     }
+
+
+@contextmanager
+def running_server(model: str, serve_args: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``infinikv serve`` on a free loopback port, once it answers /health: (base URL, process)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
+    log = tempfile.TemporaryFile()
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        _wait_healthy(server, base, log, timeout=300)
+        yield base, server
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def _wait_healthy(server: subprocess.Popen, base: str, log, timeout: float) -> None:

@@ -25,6 +25,7 @@ from ..engine import end_of_sequence_ids
 from ..errors import InfinikvError
 from ..policies import Policy
 from ..text import Detokenizer
+from .conversations import Conversation, Conversations, conversation_key, detach
 
 Event = tuple[str, Any]  # ("text", piece) | ("done", finish_reason) | ("error", message)
 
@@ -63,6 +64,10 @@ class Sequence:
     detokenizer: Detokenizer | None = None
     kv_bytes: int = 0  # peak K/V bytes its cache held
     fetched_fraction: float | None = None  # for two-tier policies
+    key: str = ""  # requests with equal keys may continue each other's caches (``conversation_key``)
+    fed: int = 0  # generated tokens its cache has seen (the last one picked is not fed)
+    resumed: Conversation | None = None  # the idle conversation it continues, until its prefill starts
+    reused: int = 0  # prompt tokens it did not prefill, continuing a conversation
 
 
 @dataclass
@@ -93,8 +98,10 @@ class Scheduler:
         max_queue: int,
         prefill_chunk: int = 512,
         compile: bool = False,
+        keep_conversations: int = 16,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.conversations = Conversations(keep_conversations)
         self.kv_memory, self.max_queue, self.prefill_chunk, self.compile = kv_memory, max_queue, prefill_chunk, compile
         self.eos = end_of_sequence_ids(model, tokenizer)
         self.cond = threading.Condition()
@@ -125,6 +132,7 @@ class Scheduler:
             )
         except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
             raise ServeError(400, f"kv: {exc}", param="kv") from None
+        seq.key = conversation_key(seq.policy, seq.sampling)
         if seq.reserved > self.kv_memory:
             with self.cond:
                 self.counts["rejected"] += 1
@@ -138,7 +146,7 @@ class Scheduler:
                 code="kv_budget_exceeded",
             )
         with self.cond:
-            if not self.waiting and self.reserved + seq.reserved <= self.kv_memory:
+            if not self.waiting and self._fits(seq):
                 self._admit(seq)
             elif len(self.waiting) < self.max_queue:
                 self.waiting.append(seq)
@@ -186,18 +194,37 @@ class Scheduler:
                 "decode_steps": self.steps,
                 "max_batch": self.max_batch,
                 "fetch_fraction": {name: sum(f) / len(f) for name, f in self.fetched.items()},
+                "conversations_kept": len(self.conversations.idle),
+                "kv_bytes_kept": self.conversations.bytes,
+                "reuse_hits": self.conversations.hits,
+                "reuse_tokens_saved": self.conversations.tokens_saved,
+                "conversations_dropped": self.conversations.dropped,
             }
 
     @property
     def active_count(self) -> int:
         return len(self.joining) + len(self.prefilling) + sum(len(g.seqs) for g in self.groups.values())
 
-    # -- the scheduler thread --------------------------------------------------------------
+    # -- admission (under ``cond``) -------------------------------------------------------
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s reservation fits beside the running ones'; idle conversations make
+        room, least recently used first (not the one ``seq`` continues, whose K/V it takes over)."""
+        room = self.kv_memory - self.reserved - seq.reserved
+        if room < 0:
+            return False
+        self.conversations.make_room(room, self.conversations.match(seq.key, seq.prompt_ids))
+        return True
+
     def _admit(self, seq: Sequence) -> None:
+        index = self.conversations.match(seq.key, seq.prompt_ids)
+        if index is not None:
+            seq.resumed = self.conversations.take(index)
+            seq.reused = len(seq.resumed.tokens)
         self.reserved += seq.reserved
         self.joining.append(seq)
         self.cond.notify()
 
+    # -- the scheduler thread --------------------------------------------------------------
     def run(self) -> None:
         while True:
             with self.cond:
@@ -231,9 +258,12 @@ class Scheduler:
         if seq.cancelled:
             return
         if seq.batch is None:
-            length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
-            seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
-            seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
+            if seq.resumed is not None:  # a conversation's next turn: only its new tokens are fed
+                seq.batch, seq.prefilled, seq.resumed = seq.resumed.batch, seq.reused, None
+            else:
+                length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
+                seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
+                seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
         end = seq.prefilled + self.chunk_size()
@@ -272,6 +302,7 @@ class Scheduler:
         batch = 0
         for group, rows in zip(groups, logits, strict=True):
             for i, seq in enumerate(group.seqs):
+                seq.fed += 1
                 self._advance(seq, rows[i : i + 1])
             batch += len(group.seqs)
         with self.cond:
@@ -314,11 +345,13 @@ class Scheduler:
     def _retire(self) -> None:
         """Free the K/V of finished and cancelled sequences, tell their clients, admit waiters."""
         done: list[Sequence] = []
+        kept: list[Conversation] = []
         for seq in list(self.prefilling):
             if seq.finish_reason is not None or seq.cancelled:
                 self.prefilling.remove(seq)
                 if seq.batch is not None:
                     self._record(seq, seq.batch.cache, 0)
+                    kept += self._idle(seq, seq.batch)
                 done.append(seq)
         for key, group in list(self.groups.items()):
             keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
@@ -327,6 +360,7 @@ class Scheduler:
             for i, seq in enumerate(group.seqs):
                 if i not in keep:
                     self._record(seq, group.batch.cache, i)
+                    kept += self._idle(seq, group.batch if len(group.seqs) == 1 else detach(group.batch, i))
                     done.append(seq)
             if keep:
                 group.batch.keep(keep)
@@ -336,6 +370,8 @@ class Scheduler:
         if not done:
             return
         with self.cond:
+            for conversation in kept:
+                self.conversations.put(conversation)
             for seq in done:
                 seq.batch = None
                 self.reserved -= seq.reserved
@@ -345,9 +381,17 @@ class Scheduler:
                     seq.finish_reason = "cancelled"
                 elif outcome == "completed":
                     seq.emit(("done", seq.finish_reason))
-            while self.waiting and self.reserved + self.waiting[0].reserved <= self.kv_memory:
+            while self.waiting and self._fits(self.waiting[0]):
                 self._admit(self.waiting.popleft())
         self._count_held()
+
+    def _idle(self, seq: Sequence, batch: Batch) -> list[Conversation]:
+        """``seq``'s cache (``batch``, its row alone) as an idle conversation, if it completed and
+        conversations are kept."""
+        if not self.conversations.keep or seq.cancelled or seq.finish_reason == "error":
+            return []
+        tokens = seq.prompt_ids + seq.tokens[: seq.fed]
+        return [Conversation(seq.key, tokens, batch, batch.cache.held_bytes())]
 
     def _record(self, seq: Sequence, cache, row: int) -> None:
         """What a finished request's K/V did, for its response and /metrics."""
