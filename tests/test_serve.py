@@ -2,11 +2,8 @@
 
 import re
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -15,7 +12,7 @@ import torch
 
 from infinikv import Sampling, generate, make_policy
 from infinikv.cli import main
-from infinikv.serve.bench import bench_serve, free_port
+from infinikv.serve.bench import bench_serve, free_port, running_server
 from infinikv.serve.scheduler import _safe_end
 
 MODEL = "smollm2-135m"
@@ -24,37 +21,12 @@ KV_MEMORY = 64 * 2**20  # 1,456 tokens of smollm2-135m's fp32 K/V (46,080 bytes 
 PER_TOKEN = 46080
 
 
-@contextmanager
-def running(*flags: str):
-    """Base URL of a real ``infinikv serve`` started with ``flags``, once its port answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "infinikv.cli", "serve", "--port", str(port), *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server():
     """Base URL of a server with a 64 MiB K/V budget, a queue of one, an API key and InfiniGen
     prepared at start."""
-    flags = ["--model", MODEL, "--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1"]
-    with running(*flags, "--prepare", "infinigen") as base:
+    flags = ["--kv-memory", "64MiB", "--max-queue", "1", "--api-key", KEY, "--threads", "1", "--prepare", "infinigen"]
+    with running_server(MODEL, flags) as (base, _):
         yield base
 
 
@@ -204,8 +176,9 @@ def test_budget_queue_and_cancel(client, server, real):
     assert m["infinikv_kv_bytes_reserved"] == (prompt_tokens + 1000) * PER_TOKEN and m["infinikv_kv_bytes_in_use"] > 0
     second = client.completions.create(**big, stream=True)  # waits: both do not fit in 64 MiB
     assert wait_for(server, lambda m: m["infinikv_queue_length"] == 1)["infinikv_queue_length"] == 1
-    with pytest.raises(openai.RateLimitError, match="queue is full"):
+    with pytest.raises(openai.RateLimitError, match="queue is full") as full:
         client.completions.create(**big)
+    assert full.value.response.headers["retry-after"] == "1"
     first.close()  # the client goes away: its sequence stops and the waiting one is admitted
     assert next(iter(second)).choices[0].text
     second.close()
@@ -271,7 +244,7 @@ def test_bounded_policies_run_past_the_trained_context(tiny_folder, tmp_path):
     folder = tmp_path / "short"
     shutil.copytree(tiny_folder, folder)
     config.save_pretrained(folder)
-    with running("--model", str(folder), "--kv-memory", "16MiB") as base:
+    with running_server(str(folder), ["--kv-memory", "16MiB"]) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         ask = {"model": str(folder), "prompt": "one two three four " * 5, "max_tokens": 120, "temperature": 0}
         with pytest.raises(openai.BadRequestError, match="trained context of 64 tokens under full.*: bct"):

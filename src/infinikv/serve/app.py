@@ -164,7 +164,7 @@ def create_app(
 
     @app.exception_handler(ServeError)
     async def refused(_request: Request, exc: ServeError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> Response:

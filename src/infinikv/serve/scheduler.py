@@ -5,7 +5,10 @@ the server's ``--kv-memory`` (the policy says how many: ``worst_case_bytes``); o
 waits in a bounded FIFO queue (429 when that is full, 400 when it could never fit). One
 scheduler thread owns the model and alternates one prefill chunk with one decode step of every
 running sequence (see ``Scheduler``); finished and cancelled sequences leave their batch before
-the next step, freeing their K/V and admitting waiters.
+the next step, freeing their K/V and admitting waiters. A completed request's cache may stay, idle,
+for its conversation's next turn (``conversations``): idle caches count against the budget and
+give way, least recently used first, when admission needs the room. Policies arrive built and
+prepared (``catalog``): nothing here runs a calibration.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class ServeError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """A full queue frees up as requests finish: a client may retry after a second."""
+        return {"Retry-After": "1"} if self.status == 429 else {}
 
 
 @dataclass
@@ -351,7 +358,8 @@ class Scheduler:
                 self.prefilling.remove(seq)
                 if seq.batch is not None:
                     self._record(seq, seq.batch.cache, 0)
-                    kept += self._idle(seq, seq.batch)
+                    if self._keeps(seq):
+                        kept.append(self._conversation(seq, seq.batch))
                 done.append(seq)
         for key, group in list(self.groups.items()):
             keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
@@ -360,7 +368,9 @@ class Scheduler:
             for i, seq in enumerate(group.seqs):
                 if i not in keep:
                     self._record(seq, group.batch.cache, i)
-                    kept += self._idle(seq, group.batch if len(group.seqs) == 1 else detach(group.batch, i))
+                    if self._keeps(seq):  # its row alone: the batch itself when no other row is left
+                        alone = group.batch if len(group.seqs) == 1 else detach(group.batch, i)
+                        kept.append(self._conversation(seq, alone))
                     done.append(seq)
             if keep:
                 group.batch.keep(keep)
@@ -385,13 +395,15 @@ class Scheduler:
                 self._admit(self.waiting.popleft())
         self._count_held()
 
-    def _idle(self, seq: Sequence, batch: Batch) -> list[Conversation]:
-        """``seq``'s cache (``batch``, its row alone) as an idle conversation, if it completed and
+    def _keeps(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s cache is kept for its conversation's next turn: it completed, and
         conversations are kept."""
-        if not self.conversations.keep or seq.cancelled or seq.finish_reason == "error":
-            return []
+        return bool(self.conversations.keep) and not seq.cancelled and seq.finish_reason != "error"
+
+    def _conversation(self, seq: Sequence, batch: Batch) -> Conversation:
+        """``seq``'s cache (``batch``, its row alone) as an idle conversation."""
         tokens = seq.prompt_ids + seq.tokens[: seq.fed]
-        return [Conversation(seq.key, tokens, batch, batch.cache.held_bytes())]
+        return Conversation(seq.key, tokens, batch, batch.cache.held_bytes())
 
     def _record(self, seq: Sequence, cache, row: int) -> None:
         """What a finished request's K/V did, for its response and /metrics."""

@@ -3,7 +3,8 @@
 Each of ``clients`` clients holds one chat of ``turns`` turns, as a chat client does: every turn
 it resends the whole conversation (its earlier messages and the answers it got) plus a new user
 message of about ``turn_tokens`` tokens (a passage of Austen's Emma), streams the answer and
-measures the time to its first token. The same conversations run twice on fresh servers, with
+measures the time to its first token (a 429 is waited out as its ``Retry-After`` says, and
+counted). The same conversations run twice on fresh servers, with
 idle conversations kept (``--keep-conversations``) and with none kept, so one run shows what
 continuing a cache saves per turn; each answer's ``kv`` says the K/V its conversation held.
 """
@@ -27,10 +28,20 @@ def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> 
     return f"Here is more of the story:\n{text[start : start + size]}\nWhat happens in it, in one sentence?"
 
 
+class Busy(Exception):
+    """A 429: the server's K/V budget and queue are full; retry after ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"busy, retry after {seconds:g} s")
+        self.seconds = seconds
+
+
 async def one_turn(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     """Stream one chat answer: its text, time to first token, usage and ``kv``."""
     started, first, text, final = time.perf_counter(), None, [], {}
     async with client.stream("POST", url, json=body, timeout=600) as r:
+        if r.status_code == 429:
+            raise Busy(float(r.headers.get("retry-after", 1)))
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
         async for line in r.aiter_lines():
@@ -54,6 +65,7 @@ async def converse(base: str, model: str, clients: int, turns: int, turn_tokens:
     text = load_text("austen:emma", from_chapter_one=True)
     per_turn: list[list[dict]] = [[] for _ in range(turns)]
     errors: list[str] = []
+    busy = [0]
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as client:
 
         async def conversation(index: int) -> None:
@@ -63,7 +75,13 @@ async def converse(base: str, model: str, clients: int, turns: int, turn_tokens:
                 body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
                 body |= {"stream": True, "stream_options": {"include_usage": True}}
                 try:
-                    answer = await one_turn(client, f"{base}/v1/chat/completions", body)
+                    answer = None
+                    while answer is None:
+                        try:
+                            answer = await one_turn(client, f"{base}/v1/chat/completions", body)
+                        except Busy as wait:  # documented back-pressure, not an error: wait as told
+                            busy[0] += 1
+                            await asyncio.sleep(wait.seconds)
                 except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
                     errors.append(f"client {index} turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
                     return
@@ -71,7 +89,7 @@ async def converse(base: str, model: str, clients: int, turns: int, turn_tokens:
                 messages.append({"role": "assistant", "content": answer["text"]})
 
         await asyncio.gather(*(conversation(i) for i in range(clients)))
-    return {"per_turn": per_turn, "errors": errors}
+    return {"per_turn": per_turn, "errors": errors, "busy": busy[0]}
 
 
 def bench_turns(model: str, serve_args: list[str], clients: int, turns: int, turn_tokens: int, max_tokens: int) -> dict:
@@ -100,6 +118,7 @@ def bench_turns(model: str, serve_args: list[str], clients: int, turns: int, tur
         "max_tokens": max_tokens,
         "turns_table": rows,
         "errors": sum(len(r["errors"]) for r in runs.values()),
+        "retried_429": {name: run["busy"] for name, run in runs.items()},
         "error_messages": [m for r in runs.values() for m in r["errors"]][:5],
     }
 
@@ -119,4 +138,9 @@ def turns_table(result: dict) -> str:
             f"{row['turn']:>4} {row['prompt_tokens'] or '-':>7} {row['continued_cached_tokens'] or 0:>7} "
             f"{continued or '-':>9} {fresh or '-':>9} {ratio:>6} {kv[0]:>8} {kv[1]:>8}"
         )
+    retried = result["retried_429"]
+    lines.append(
+        f"429s retried after Retry-After: continued {retried['continued']}, fresh {retried['fresh']}; "
+        f"errors {result['errors']}"
+    )
     return "\n".join(lines)
