@@ -77,6 +77,16 @@ def test_streaming_and_stop(client, server):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 8
+    counted = client.completions.create(  # vLLM's continuous_usage_stats: each text chunk counts its tokens
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    counts = [c.usage.completion_tokens for c in counted if c.choices and c.choices[0].text]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8 and len(counts) >= 4
     stopped = client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."]
     )
@@ -268,6 +278,8 @@ def test_worst_case_bytes(real):
     assert make_policy("full").worst_case_bytes(config, 100, 50) == 150 * PER_TOKEN
     assert make_policy("bct", capacity=64).worst_case_bytes(config, 100, 500) == 100 * PER_TOKEN  # the prefill
     assert make_policy("bct", capacity=64).worst_case_bytes(config, 10, 500) == 65 * PER_TOKEN
+    assert make_policy("bct", capacity=64).worst_case_bytes(config, 10, 5) == 65 * PER_TOKEN  # allocated once
+    assert make_policy("recall", capacity=64).worst_case_bytes(config, 10, 5) == 65 * PER_TOKEN  # its fast tier
     assert make_policy("sink", budget=0.5).worst_case_bytes(config, 10, 90) == 51 * PER_TOKEN
 
 
@@ -303,8 +315,10 @@ def test_bench_serve():
 def test_bench_serve_turns_continued_and_fresh():
     from infinikv.serve.turns import bench_turns, turns_table
 
-    result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 2, 2, 20, 4)
+    result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 256 * 2**20, 2, 2, 20, 4)
     assert result["errors"] == 0
+    for run, peak in result["peak_rss_bytes"].items():  # the weights are read in by the first forward
+        assert peak > result["model_bytes"] and peak >= result["idle_rss_bytes"][run] > 0
     first, second = result["turns_table"]
     assert first["continued_cached_tokens"] == first["fresh_cached_tokens"] == second["fresh_cached_tokens"] == 0
     assert 0 < second["continued_cached_tokens"] < second["prompt_tokens"]  # every client continued its cache
@@ -412,6 +426,53 @@ def test_a_conversation_continues_its_cache(real):
             for name in ("position", "valid"):
                 assert torch.equal(ours.slots.state[name][..., :n], theirs.slots.state[name][..., :n])
             assert torch.allclose(ours.slots.keys[:, :, :n], theirs.slots.keys[:, :, :n], atol=1e-5)
+
+
+def test_ignore_eos_generates_max_tokens(real):
+    """vLLM's ``ignore_eos``: an end-of-sequence pick is generated like any token."""
+    from infinikv.serve.scheduler import Scheduler, Sequence
+
+    model, tokenizer = real
+    prompt, full = tokenizer("The capital of France is").input_ids, make_policy("full")
+    scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0)
+    try:
+        (probe,) = converse(scheduler, Sequence(prompt, full, Sampling(1), [], None))
+        scheduler.eos = {probe.tokens[0]}  # the model's first pick now ends a sequence
+        stops, goes_on = converse(
+            scheduler,
+            Sequence(prompt, full, Sampling(5), [], None),
+            Sequence(prompt, full, Sampling(5), [], None, ignore_eos=True),
+        )
+    finally:
+        scheduler.close()
+    assert stops.finish_reason == "stop" and stops.tokens == []
+    assert goes_on.finish_reason == "length" and len(goes_on.tokens) == 5 and goes_on.tokens[0] == probe.tokens[0]
+
+
+@torch.inference_mode()
+def test_a_finished_row_is_copied_out_of_its_batch_alone(real):
+    """``detach`` copies one row of a running batch: the copy decodes as that sequence alone
+    would, and the batch it came from keeps its rows and K/V untouched."""
+    from infinikv.core import Batch
+    from infinikv.serve.conversations import detach
+
+    model, tokenizer = real
+    prompts = [tokenizer(t).input_ids for t in ("Alice lives in Paris and keeps three cats.", "Bob lives in Rome.")]
+    for spec in ({"policy": "full"}, {"policy": "bct", "capacity": 8}):
+        policy = make_policy(spec.pop("policy"), **spec)
+        group, reference = Batch(model, policy), Batch(model, policy)
+        group.feed(torch.tensor([prompts[0]]))
+        second = Batch(model, policy)
+        for batch in (second, reference):
+            batch.feed(torch.tensor([prompts[1]]))
+        group.append(second)
+        before = [layer.slots.keys.clone() for layer in group.cache.layers]
+        alone = detach(group, 1)
+        assert alone.cache.rows == 1 and group.cache.rows == 2
+        assert all(torch.equal(layer.slots.keys, k) for layer, k in zip(group.cache.layers, before, strict=True))
+        assert alone.cache.held_bytes() == reference.cache.held_bytes()
+        token = torch.tensor([42])
+        assert torch.allclose(alone.step(token), reference.step(token), atol=1e-4)
 
 
 def test_idle_conversations_make_room_least_recently_used_first(real):

@@ -84,9 +84,11 @@ class Budget:
     def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False) -> int:
         """The most tokens a layer under this budget holds for a request of ``total`` tokens: the
         whole prompt until the prefill evicts, then its capacity plus the one token a decode step
-        adds before evicting. ``fixed``: the capacity is settled by the prompt (allocated once)."""
+        adds before evicting. ``fixed``: the capacity is settled by the prompt and allocated once,
+        capacity plus one slots, however few tokens the request has."""
         capacity = self.capacity(prompt_tokens if fixed else total)
-        return min(total, max(prompt_tokens, capacity + 1))
+        most = max(prompt_tokens, capacity + 1)
+        return most if fixed else min(total, most)
 
     def __str__(self) -> str:
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.tokens} tokens"

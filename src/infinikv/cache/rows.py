@@ -3,6 +3,7 @@ rows, and running several caches (groups of rows, possibly of different policies
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -33,12 +34,31 @@ def join(cache: KVCache, other: KVCache) -> None:
 def keep(cache: KVCache, rows: list[int]) -> None:
     """Keep only the sequences ``rows`` of ``cache`` (in that order)."""
     for layer in cache.layers:
-        for slots in (layer.slots, *layer.pools):
-            slots.keep_rows(rows)
-        layer.seen = [layer.seen[r] for r in rows]
-        layer.stats.select(rows)
-        if layer.evictor:
-            layer.evictor.keep_rows(rows)
+        keep_layer(layer, rows)
+
+
+def keep_layer(layer: KVLayer, rows: list[int]) -> None:
+    """Keep only the sequences ``rows`` of one layer (new tensors: the old ones are not written)."""
+    for slots in (layer.slots, *layer.pools):
+        slots.keep_rows(rows)
+    layer.seen = [layer.seen[r] for r in rows]
+    layer.stats.select(rows)
+    if layer.evictor:
+        layer.evictor.keep_rows(rows)
+
+
+def copy_row(cache: KVCache, row: int, shared: dict[int, Any]) -> KVCache:
+    """Row ``row`` of ``cache`` as a cache of its own; ``cache`` is left as it is.
+
+    Copied a layer at a time, each copy cut to the row before the next layer is copied, so the
+    copy never holds more than one layer's other rows. ``shared`` maps ``id(obj)`` to objects
+    the copy shares (the model's parameters and buffers)."""
+    memo = dict(shared)
+    for layer in cache.layers:
+        keep_layer(copy.deepcopy(layer, memo), [row])
+        for key in [k for k, v in memo.items() if isinstance(v, torch.Tensor) and k not in shared]:
+            del memo[key]  # the whole layer's copies, replaced by the row's
+    return copy.deepcopy(cache, memo)  # the layers come from the memo
 
 
 class GroupLayer(CacheLayerMixin):

@@ -129,7 +129,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         for key, value in given_options(args).items():
             serve_args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     if args.turns:
-        return bench_conversations(args, serve_args)
+        return bench_conversations(args, serve_args, kv_memory)
     ray_args = []
     if args.ray is not None:
         ray_args = ["--ray"] + ([] if args.ray == LOCAL else [args.ray]) + ["--replicas", str(args.replicas or 1)]
@@ -171,13 +171,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
 
 
-def bench_conversations(args: argparse.Namespace, serve_args: list[str]) -> int:
+def bench_conversations(args: argparse.Namespace, serve_args: list[str], kv_memory: int) -> int:
     from ..serve.turns import bench_turns, turns_table
 
-    result = bench_turns(args.model, serve_args, args.clients, args.turns, args.turn_tokens, args.max_tokens)
+    load = (args.clients, args.turns, args.turn_tokens, args.max_tokens)
+    result = bench_turns(args.model, serve_args, kv_memory, *load)
     print(json.dumps(result, indent=2) if args.json else turns_table(result))
     for message in result["error_messages"]:
         print(f"  error: {message}", file=sys.stderr)
+    if not result["rss_within_budget"]:
+        print("infinikv: a server's RSS went over --kv-memory + the model size", file=sys.stderr)
+        return 1
     return 0 if result["errors"] == 0 else 1
 
 

@@ -100,7 +100,7 @@ class Policy(ABC):
         layers, plus each sliding-window layer's window (see ``window``)."""
         total, spans = prompt_tokens + max_new_tokens, windows(config)
         managed = sum(w is None for w in spans) * self.token_bytes(config)
-        bounded = sum(Budget(tokens=w - 1).worst_case(prompt_tokens, total) for w in spans if w is not None)
+        bounded = sum(Budget(tokens=w - 1).worst_case(prompt_tokens, total, fixed=True) for w in spans if w is not None)
         return self.worst_case_tokens(config, prompt_tokens, max_new_tokens) * managed + bounded * bytes_per_token(
             config
         )

@@ -89,7 +89,8 @@ class Recall(Policy):
         return RecallLayer(fast.slots, fast.evictor, pool, TwoTier(self.seeker.speculation(index, model, False)))
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        return prompt_tokens + max_new_tokens  # the fast tier and the pool hold every token between them
+        # the fast tier and the pool hold every token between them; the fast tier is allocated whole
+        return max(prompt_tokens + max_new_tokens, self.fast.worst_case_tokens(config, prompt_tokens, max_new_tokens))
 
     def label(self) -> str:
         return self.named(f"{self.name}:{self.params['update_rule']}", ("update_rule",))

@@ -52,6 +52,7 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 
 class StreamOptions(BaseModel):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's extension: usage in every chunk, as of that chunk
 
 
 class Common(BaseModel):
@@ -69,6 +70,7 @@ class Common(BaseModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     kv: dict[str, Any] | None = None
+    ignore_eos: Bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
 
 class CompletionRequest(Common):
@@ -234,13 +236,13 @@ def create_app(
             if not loop.is_closed():
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        seq = Sequence(ids, policy, sampling, stops, emit)
+        seq = Sequence(ids, policy, sampling, stops, emit, ignore_eos=body.ignore_eos)
         scheduler: Scheduler = state["scheduler"]
         scheduler.submit(seq)  # 400 or 429 before anything is sent
         reply = Reply(seq, model_name, chat)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(scheduler, seq, events, reply, usage), media_type="text/event-stream")
+            options = body.stream_options or StreamOptions()
+            return StreamingResponse(stream(scheduler, seq, events, reply, options), media_type="text/event-stream")
         text = []
         try:
             while True:
@@ -251,7 +253,7 @@ def create_app(
                         return Response(status_code=499)
                     continue
                 if kind == "text":
-                    text.append(value)
+                    text.append(value.text)
                 elif kind == "done":
                     return JSONResponse(reply.whole("".join(text)))
                 else:
@@ -272,7 +274,7 @@ def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
 
 
 async def stream(
-    scheduler: Scheduler, seq: Sequence, events: asyncio.Queue, reply: Reply, usage: bool
+    scheduler: Scheduler, seq: Sequence, events: asyncio.Queue, reply: Reply, options: StreamOptions
 ) -> AsyncIterator[str]:
     """Server-sent events, one per piece of text, then the finish reason, usage and [DONE]."""
     try:
@@ -281,10 +283,13 @@ async def stream(
         while True:
             kind, value = await events.get()
             if kind == "text":
-                yield sse(reply.chunk(value))
+                chunk = reply.chunk(value.text)
+                if options.continuous_usage_stats:
+                    chunk["usage"] = reply.usage(value.tokens)
+                yield sse(chunk)
             elif kind == "done":
                 yield sse(reply.chunk(None, seq.finish_reason))
-                if usage:
+                if options.include_usage:
                     yield sse({**reply.chunk(None), "choices": [], "usage": reply.usage(), "kv": reply.kv()})
                 yield "data: [DONE]\n\n"
                 return
@@ -307,8 +312,10 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def usage(self) -> dict:
-        prompt, completion = len(self.seq.prompt_ids), len(self.seq.tokens)
+    def usage(self, completion: int | None = None) -> dict:
+        """Token counts: of the whole answer, or as of a chunk (``completion`` tokens generated)."""
+        prompt = len(self.seq.prompt_ids)
+        completion = len(self.seq.tokens) if completion is None else completion
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

@@ -13,13 +13,13 @@ needs their room, or past ``keep`` of them (0: nothing is kept).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from ..cache.rows import copy_row
 from ..core import Batch, Sampling
 from ..policies import Policy
 
@@ -42,12 +42,10 @@ class Conversation:
 def detach(batch: Batch, row: int) -> Batch:
     """Row ``row`` of ``batch`` as a batch of its own (a copy: the other rows go on decoding)."""
     model = batch.model
-    keep_shared = {id(t): t for t in (*model.parameters(), *model.buffers())} | {id(model): model}
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())} | {id(model): model}
     with torch.inference_mode():
-        cache = copy.deepcopy(batch.cache, keep_shared)
-        alone = Batch(model, batch.policy, batch.compile, cache=cache)
-        alone.next_position = batch.next_position.clone()
-        alone.keep([row])
+        alone = Batch(model, batch.policy, batch.compile, cache=copy_row(batch.cache, row, shared))
+        alone.next_position = batch.next_position[row : row + 1].clone()
     return alone
 
 

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,7 +30,14 @@ from ..policies import Policy
 from ..text import Detokenizer
 from .conversations import Conversation, Conversations, conversation_key, detach
 
-Event = tuple[str, Any]  # ("text", piece) | ("done", finish_reason) | ("error", message)
+Event = tuple[str, Any]  # ("text", Piece) | ("done", finish_reason) | ("error", message)
+
+
+class Piece(NamedTuple):
+    """New text of a stream, and the tokens generated up to it."""
+
+    text: str
+    tokens: int
 
 
 class ServeError(Exception):
@@ -59,6 +66,7 @@ class Sequence:
     sampling: Sampling
     stop: list[str]
     emit: Callable[[Event], None]  # thread-safe: called from the scheduler thread
+    ignore_eos: bool = False  # an end-of-sequence token is a token like any other
     reserved: int = 0  # K/V bytes admission set aside for it
     tokens: list[int] = field(default_factory=list)
     batch: Batch | None = None  # its own batch while its prompt is prefilled, chunk by chunk
@@ -331,7 +339,7 @@ class Scheduler:
         token = int(next_tokens(logits, seq.sampling, seq.generator))
         with self.cond:
             self.tokens_generated += 1
-        if token in self.eos:
+        if token in self.eos and not seq.ignore_eos:
             seq.finish_reason = "stop"
             seq.text += seq.detokenizer.flush()
         else:
@@ -346,7 +354,7 @@ class Scheduler:
         if hits:
             end, seq.finish_reason = min(hits), "stop"
         if end > seq.sent:
-            seq.emit(("text", text[seq.sent : end]))
+            seq.emit(("text", Piece(text[seq.sent : end], len(seq.tokens))))
             seq.sent = end
 
     def _retire(self) -> None:

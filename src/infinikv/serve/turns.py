@@ -6,7 +6,8 @@ message of about ``turn_tokens`` tokens (a passage of Austen's Emma), streams th
 measures the time to its first token (a 429 is waited out as its ``Retry-After`` says, and
 counted). The same conversations run twice on fresh servers, with
 idle conversations kept (``--keep-conversations``) and with none kept, so one run shows what
-continuing a cache saves per turn; each answer's ``kv`` says the K/V its conversation held.
+continuing a cache saves per turn; each answer's ``kv`` says the K/V its conversation held, and
+each server's peak RSS is checked against the K/V budget plus the model's size.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import json
 import time
 
 import httpx
+import psutil
 
 from ..data import load_text
-from .bench import percentile_ms, running_server
+from .bench import RssSampler, model_bytes, percentile_ms, running_server
 
 
 def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> str:
@@ -92,13 +94,22 @@ async def converse(base: str, model: str, clients: int, turns: int, turn_tokens:
     return {"per_turn": per_turn, "errors": errors, "busy": busy[0]}
 
 
-def bench_turns(model: str, serve_args: list[str], clients: int, turns: int, turn_tokens: int, max_tokens: int) -> dict:
+def bench_turns(
+    model: str, serve_args: list[str], kv_memory: int, clients: int, turns: int, turn_tokens: int, max_tokens: int
+) -> dict:
     """The conversations with continued caches and without, each on a fresh server; per turn the
-    time to first token (p50 over clients), the prompt and cached tokens, the K/V held."""
-    runs = {}
+    time to first token (p50 over clients), the prompt and cached tokens, the K/V held; per
+    server its peak RSS."""
+    runs, peak_rss, idle_rss = {}, {}, {}
     for name, keep in (("continued", max(16, clients)), ("fresh", 0)):
-        with running_server(model, [*serve_args, "--keep-conversations", str(keep)]) as (base, _):
+        with running_server(model, [*serve_args, "--keep-conversations", str(keep)]) as (base, server):
+            idle_rss[name] = psutil.Process(server.pid).memory_info().rss  # the model loaded, no request yet
+            sampler = RssSampler(server.pid)
+            sampler.start()
             runs[name] = asyncio.run(converse(base, model, clients, turns, turn_tokens, max_tokens))
+            sampler.done.set()
+            sampler.join()
+            peak_rss[name] = sampler.peak
     rows = []
     for turn in range(turns):
         row = {"turn": turn + 1}
@@ -118,6 +129,11 @@ def bench_turns(model: str, serve_args: list[str], clients: int, turns: int, tur
         "max_tokens": max_tokens,
         "turns_table": rows,
         "errors": sum(len(r["errors"]) for r in runs.values()),
+        "peak_rss_bytes": peak_rss,
+        "idle_rss_bytes": idle_rss,
+        "kv_memory_bytes": kv_memory,
+        "model_bytes": (weights := model_bytes(model)),
+        "rss_within_budget": all(peak < kv_memory + weights for peak in peak_rss.values()),
         "retried_429": {name: run["busy"] for name, run in runs.items()},
         "error_messages": [m for r in runs.values() for m in r["errors"]][:5],
     }
@@ -142,5 +158,12 @@ def turns_table(result: dict) -> str:
     lines.append(
         f"429s retried after Retry-After: continued {retried['continued']}, fresh {retried['fresh']}; "
         f"errors {result['errors']}"
+    )
+    rss, idle = result["peak_rss_bytes"], result["idle_rss_bytes"]
+    limit = (result["kv_memory_bytes"] + result["model_bytes"]) / 2**20
+    lines.append(
+        f"peak RSS: continued {rss['continued'] / 2**20:,.0f} MiB, fresh {rss['fresh'] / 2**20:,.0f} MiB "
+        f"(limit {limit:,.0f}: --kv-memory + the model; idle before the first request "
+        f"{idle['continued'] / 2**20:,.0f} / {idle['fresh'] / 2**20:,.0f})"
     )
     return "\n".join(lines)
