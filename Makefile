@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.dev-stamp
 HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
+# Test processes: each takes cores / workers torch threads (tests/conftest.py); 1 runs in-process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test setup setup-dev lint clean
 
@@ -38,7 +40,7 @@ demo: setup
 		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests scripts examples setup.py

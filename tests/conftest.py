@@ -1,11 +1,22 @@
 """Shared fixtures: the real bundled model (fetched by `make test`), real text, a tiny random Llama."""
 
-import pytest
-import torch
+import os
+
+# Under pytest-xdist (`make test` runs 2 workers) each worker, and every process a test starts,
+# gets its share of the cores: two torch processes with a thread per core each would fight
+# over them (a busy core slows an OpenMP matmul many times over). Set before torch is imported.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from infinikv import attach, load_model
-from infinikv.data import load_text
+from infinikv import attach, load_model  # noqa: E402
+from infinikv.data import load_text  # noqa: E402
+
+if workers:  # in case a plugin imported torch first
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -66,12 +66,18 @@ def test_full_matches_transformers_dynamic_cache(real, emma_ids):
     assert (ours - reference).abs().max() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def full_logits(real, emma_ids):
+    """``full``'s logits of ``forward_loop`` over Emma's first 120 tokens (computed once)."""
+    with torch.inference_mode():
+        return forward_loop(real[0], emma_ids[:, :120], make_policy("full").make_cache(real[0]), 80, chunk=16)
+
+
 @pytest.mark.parametrize("name", ALL)
 @torch.inference_mode()
-def test_exact_when_the_budget_covers_everything(real, emma_ids, name):
+def test_exact_when_the_budget_covers_everything(real, emma_ids, full_logits, name):
     model, tokenizer = real
-    ids = emma_ids[:, :120]
-    reference = forward_loop(model, ids, make_policy("full").make_cache(model), 80, chunk=16)
+    ids, reference = emma_ids[:, :120], full_logits
     ours = forward_loop(model, ids, whole(name, model, tokenizer).make_cache(model), 80, chunk=16)
     assert (ours - reference).abs().max() < TOLERANCE.get(name, 1e-4)
     if REGISTRY[name].takes_budget and name not in ("bct", "recall"):  # a growing budget: 1 keeps everything too
@@ -79,14 +85,23 @@ def test_exact_when_the_budget_covers_everything(real, emma_ids, name):
         assert (again - reference).abs().max() < 1e-4
 
 
+GENERATE = dict(max_new_tokens=24, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def plain_generation(real, emma_ids):
+    """transformers' own ``generate`` (its DynamicCache) from Emma's first 60 tokens."""
+    ids = emma_ids[:, :60]
+    return real[0].generate(ids, attention_mask=torch.ones_like(ids), **GENERATE)
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_generate_with_model_generate(real, emma_ids, name):
+def test_generate_with_model_generate(real, emma_ids, plain_generation, name):
     model, tokenizer = real
     ids = emma_ids[:, :60]
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    reference = model.generate(ids, **kwargs)
-    ours = model.generate(ids, cache=whole(name, model, tokenizer).make_cache(model), **kwargs)
-    assert torch.equal(ours, reference)
+    cache = whole(name, model, tokenizer).make_cache(model)
+    ours = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GENERATE)
+    assert torch.equal(ours, plain_generation)
 
 
 @pytest.mark.parametrize("name", BOUNDED)
@@ -184,35 +199,40 @@ def full_story(real):
     from infinikv import Sampling, generate
 
     model, tokenizer = real
-    return generate(model, tokenizer, STORY, make_policy("full"), Sampling(max_new_tokens=200), chat=True).token_ids[0]
+    return generate(model, tokenizer, STORY, make_policy("full"), Sampling(max_new_tokens=NEW), chat=True).token_ids[0]
 
 
 STORY = "Write a long story about a girl who travels across the sea to find her lost brother."
+NEW, CAPACITY = 120, 64  # greedy tokens, cache capacity: the prompt (~40 tokens) + 120 is well past 64
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BOUNDED)
 def test_greedy_past_capacity_does_not_collapse(real, full_story, name):
-    """200 greedy tokens at capacity 128: no run of one repeated token, as varied as `full`.
+    """120 greedy tokens at capacity 64: no run of one repeated token, as varied as `full`.
 
     (This 135M model loops on phrases even with the full cache, so the bar is `full` itself.)
     """
     from infinikv import Sampling, generate
 
     model, tokenizer = real
-    result = generate(model, tokenizer, STORY, make_policy(name, capacity=128), Sampling(max_new_tokens=200), chat=True)
+    policy = make_policy(name, capacity=CAPACITY)
+    result = generate(model, tokenizer, STORY, policy, Sampling(max_new_tokens=NEW), chat=True)
     tokens = result.token_ids[0]
-    assert len(tokens) == 200 and result.prompt_tokens[0] + 200 > 128 + 100  # well past capacity
+    assert len(tokens) == NEW and result.prompt_tokens[0] + NEW > CAPACITY + 80  # well past capacity
     assert max(len(list(run)) for _, run in itertools.groupby(tokens)) < 8
     assert len(set(tokens)) >= 0.8 * len(set(full_story))
 
 
+PAST = 145  # tokens of Emma teacher-forced: 97 past a capacity of 48
+
+
 @pytest.fixture(scope="module")
 def full_emma_perplexity(real, emma_ids) -> float:
-    """``full``'s teacher-forced perplexity of Emma's tokens 33..193 after the first 32."""
+    """``full``'s teacher-forced perplexity of Emma's tokens 33..145 after the first 32."""
     from infinikv.eval.ppl import perplexity
 
-    return perplexity(real[0], emma_ids[:, :193], make_policy("full"), context=32, progress=False)["perplexity"]
+    return perplexity(real[0], emma_ids[:, :PAST], make_policy("full"), context=32, progress=False)["perplexity"]
 
 
 @pytest.mark.slow
@@ -225,7 +245,7 @@ def test_positions_advance_past_eviction(real, emma_ids, full_emma_perplexity, n
     from infinikv.eval.ppl import perplexity
 
     model, _ = real
-    ours = perplexity(model, emma_ids[:, :193], make_policy(name, capacity=48), context=32, progress=False)
+    ours = perplexity(model, emma_ids[:, :PAST], make_policy(name, capacity=48), context=32, progress=False)
     assert ours["perplexity"] < 1.6 * full_emma_perplexity
     assert ours["attended_tokens"] <= 49
 
@@ -237,7 +257,7 @@ def test_batched_greedy_equals_each_prompt_alone(real, name):
     model, tokenizer = real
     prompts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived an old"]
     policy = make_policy(name, budget=0.5) if REGISTRY[name].takes_budget else make_policy(name)
-    sampling = Sampling(max_new_tokens=20)  # infinigen at its defaults: each sequence speculates for itself
+    sampling = Sampling(max_new_tokens=12)  # infinigen at its defaults: each sequence speculates for itself
     batched = generate(model, tokenizer, prompts, policy, sampling)
     alone = [generate(model, tokenizer, p, policy, sampling).token_ids[0] for p in prompts]
     assert batched.token_ids == alone

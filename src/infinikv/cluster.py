@@ -86,7 +86,7 @@ class RayPool:
     """``workers`` Ray actors, each a ``grid.Worker`` holding the model with ``cpus`` CPUs and
     ``gpus`` GPUs; each is given one cell at a time, the next as soon as it is free."""
 
-    def __init__(self, model: str, workers: int | None, cpus: float, gpus: float | None) -> None:
+    def __init__(self, model: str, workers: int | None, cpus: float, gpus: float | None, weights: str = "fp32") -> None:
         import ray
 
         total = ray.cluster_resources()
@@ -100,7 +100,7 @@ class RayPool:
             )
         actor = ray.remote(Worker).options(num_cpus=cpus, num_gpus=gpus, max_restarts=1, max_task_retries=1)
         device = "cuda" if gpus else "cpu"
-        self.actors = [actor.remote(model, device, max(1, int(cpus))) for _ in range(workers)]
+        self.actors = [actor.remote(model, device, max(1, int(cpus)), weights=weights) for _ in range(workers)]
 
     def run(self, cells: list[Cell]) -> Iterator[tuple[Cell, dict]]:
         import ray

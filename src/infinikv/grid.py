@@ -43,14 +43,22 @@ class Cell:
     spec: dict[str, Any]
     params: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
+    weights: str = "fp32"  # the format the model's weights are stored in (``infinikv.weights``)
 
     @property
     def key(self) -> str:
-        return json.dumps([self.protocol, self.model, self.spec, self.params], sort_keys=True)
+        packed = [self.weights] if self.weights != "fp32" else []  # fp32 keys as before formats existed
+        return json.dumps([self.protocol, self.model, self.spec, self.params, *packed], sort_keys=True)
 
     def identity(self) -> dict[str, Any]:
         """What a result row carries so that ``row_key`` finds its cell again."""
-        return {"protocol": self.protocol, "model": self.model, "spec": self.spec, **self.params}
+        return {
+            "protocol": self.protocol,
+            "model": self.model,
+            "weights": self.weights,
+            "spec": self.spec,
+            **self.params,
+        }
 
 
 def row_key(row: Any) -> str | None:
@@ -58,7 +66,8 @@ def row_key(row: Any) -> str | None:
     keys = PROTOCOLS.get(row.get("protocol")) if isinstance(row, dict) else None
     if keys is None or any(k not in row for k in ("model", "spec", *keys)):
         return None
-    return Cell(row["protocol"], row["model"], row["spec"], {k: row[k] for k in keys}).key
+    params = {k: row[k] for k in keys}
+    return Cell(row["protocol"], row["model"], row["spec"], params, weights=row.get("weights", "fp32")).key
 
 
 def finished(out: Path) -> dict[str, dict]:
@@ -89,7 +98,13 @@ class Worker:
     generated once for every policy that runs it)."""
 
     def __init__(
-        self, model: str, device: str = "cpu", threads: int | None = None, progress: bool = False, loaded=None
+        self,
+        model: str,
+        device: str = "cpu",
+        threads: int | None = None,
+        progress: bool = False,
+        loaded=None,
+        weights: str = "fp32",
     ):
         import torch
 
@@ -97,16 +112,18 @@ class Worker:
 
         if threads:
             torch.set_num_threads(threads)
-        self.name, self.progress = model, progress
-        self.model, self.tokenizer = loaded or models.load_model(model, device=device)
+        self.name, self.weights, self.progress = model, weights, progress
+        self.model, self.tokenizer = loaded or models.load_model(model, device=device, weights=weights)
         self.inputs: dict[tuple, Any] = {}
 
     def run(self, cell: Cell) -> dict:
         from .policies import parse_spec
         from .preparation import ensure_prepared
 
-        if cell.model != self.name:
-            raise ValueError(f"a worker of {self.name} was given a cell of {cell.model}")
+        if (cell.model, cell.weights) != (self.name, self.weights):
+            raise ValueError(
+                f"a worker of {self.name} ({self.weights}) was given a cell of {cell.model} ({cell.weights})"
+            )
         policy = parse_spec(cell.spec)
         ensure_prepared(policy, self.model, self.tokenizer)  # loads the calibration the driver saved
         return {**RUNNERS[cell.protocol](self, policy, **cell.params, **cell.options), **cell.identity()}

@@ -30,7 +30,8 @@ from .preparation import ensure_prepared
 
 class InfinikvLM(TemplateLM):
     """lm-eval's ``LM`` over an infinikv policy; ``model_args`` name the model, the policy and
-    its options (any option a policy declares, e.g. ``bits=4`` for ``quant``). lm-eval's own
+    its options (any option a policy declares, e.g. ``bits=4`` for ``quant``) and ``weights``
+    (fp32, bf16, int8, int4). lm-eval's own
     ``--device`` and ``--batch_size`` arrive here too (``max_batch_size`` is accepted and unused:
     the batch size is fixed)."""
 
@@ -45,6 +46,7 @@ class InfinikvLM(TemplateLM):
         chunk: int = 512,
         device: str | None = None,
         max_batch_size: int | None = None,
+        weights: str = "fp32",
         **options: Any,
     ) -> None:
         super().__init__()
@@ -56,7 +58,7 @@ class InfinikvLM(TemplateLM):
         self.policy = parse_spec(spec)  # a bad policy fails before the model loads
         if device is None or (device.startswith("cuda") and not torch.cuda.is_available()):
             device = "cpu"  # lm-eval asks for cuda by default; as its own hf model does, fall back
-        self.model, self.tokenizer = load_model(pretrained, device=device)
+        self.model, self.tokenizer = load_model(pretrained, device=device, weights=weights)
         ensure_prepared(self.policy, self.model, self.tokenizer)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # "auto" is not supported: 1
         self.max_gen_toks, self.chunk = int(max_gen_toks), int(chunk)

@@ -318,10 +318,13 @@ def load_model(
     device: str | torch.device = "cpu",
     kv_capacity: int | None = None,
     update_rule: str | None = None,
+    weights: str = "fp32",
 ):
     """Load ``(model, tokenizer)`` offline, with infinikv's attention attached.
 
     ``model`` is a bundled name (``smollm2-135m``), a local HF folder or a ``.gguf`` file.
+    ``weights`` (fp32, bf16, int8, int4: :mod:`infinikv.weights`) is how its Linear weights are
+    stored and multiplied; activations and K/V stay in ``dtype``.
     With ``kv_capacity`` (tokens per layer) the model is built as a Bounded-Cache Transformer:
     its ``generate()`` uses the ``bct`` policy (with ``update_rule``) unless given a cache, and
     ``save_pretrained`` keeps both in its config. A folder saved that way restores them.
@@ -330,7 +333,9 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     from .attention import attach
+    from .weights import check_format, pack_weights
 
+    check_format(weights, device)
     hf_logging.disable_progress_bar()
     folder, gguf_file = resolve(model)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -343,7 +348,7 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    lm.to(device).eval()
+    pack_weights(lm.to(device).eval(), weights)
     attach(lm)
     if kv_capacity is not None or update_rule is not None:
         from .policies.bct import BoundedCache

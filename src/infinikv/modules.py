@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .kv.rope import rotate
+from .weights import dense_weight
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -44,7 +45,7 @@ def partial_weights(module: torch.nn.Module, columns: torch.Tensor) -> tuple[tor
     """The rows of W_q (and b_q) for the kept ``columns`` (h, c) of each KV head: (h, g, c, D) and
     (h, g, c) or None."""
     n_kv, head_dim = columns.shape[0], module.head_dim
-    weight = module.q_proj.weight.detach().view(n_kv, -1, head_dim, module.q_proj.in_features)
+    weight = dense_weight(module.q_proj).view(n_kv, -1, head_dim, module.q_proj.in_features)
     weight = weight.gather(2, columns[:, None, :, None].expand(-1, weight.shape[1], -1, weight.shape[-1]))
     bias = module.q_proj.bias
     if bias is not None:

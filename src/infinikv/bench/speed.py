@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from collections.abc import Mapping
 
 import psutil
 import torch
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from ..contract import REFERENCE
 from ..core import Batch, DynamicBaseline
 from ..policies import Policy
+from ..weights import stored_bytes, weights_format
 
 
 class Triad:
@@ -47,11 +49,6 @@ class Triad:
 
     def median(self) -> float:
         return statistics.median(self.passes)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, each shared tensor once (tied embeddings and LM head)."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 @torch.inference_mode()
@@ -94,7 +91,7 @@ DYNAMIC = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the
 
 @torch.inference_mode()
 def bench_speed(
-    model,
+    model: torch.nn.Module | Mapping[str, torch.nn.Module],
     ids: torch.Tensor,
     policies: list[Policy],
     contexts: list[int],
@@ -106,21 +103,25 @@ def bench_speed(
     compile: bool = False,
     reference: bool = True,
 ):
-    """Yield one result per (context, run): median ms per decode step, ratio to ``full``, memory,
-    and the floor ``(weights + K/V touched per step) / bandwidth`` with the efficiency floor /
-    measured. The bandwidth is the median of triad passes run between the rounds of steps (or
+    """Yield one result per (context, weights, run): median ms per decode step, ratio to ``full``
+    (under the same weights) and to the same run under fp32 weights, memory, and the floor
+    ``(weights as stored + K/V touched per step) / bandwidth`` with the efficiency floor / measured.
+    The bandwidth is the median of triad passes run between the rounds of steps (or
     ``bandwidth``, bytes/s, when given).
 
-    Every run decodes the same tokens, interleaved step by step. ``reference`` adds transformers'
-    own ``DynamicCache`` (``hf-dynamic``); ``compile`` adds a compiled run of every compilable
-    policy next to its eager one, so the bench says whether compiling pays on this machine.
+    ``model`` is one model or ``{weight format: model}`` (the same model stored in several formats:
+    ``infinikv.weights``). Every run decodes the same tokens, interleaved step by step.
+    ``reference`` adds transformers' own ``DynamicCache`` (``hf-dynamic``) for each format;
+    ``compile`` adds a compiled run of every compilable policy next to its eager one, so the bench
+    says whether compiling pays on this machine.
     """
+    variants = dict(model) if isinstance(model, Mapping) else {weights_format(model): model}
     process = psutil.Process()
-    device = next(model.parameters()).device
+    device = next(next(iter(variants.values())).parameters()).device
     ids = ids.to(device)
     triad = Triad(device)
     link = host_to_device_bandwidth(device) if device.type == "cuda" else None
-    weights = weight_bytes(model)
+    stored = {fmt: stored_bytes(m) for fmt, m in variants.items()}
 
     def sync() -> None:  # CUDA runs asynchronously: time finished work only
         if device.type == "cuda":
@@ -129,19 +130,22 @@ def bench_speed(
     for context in contexts:
         length = context + warmup + steps
         runs: dict[str, tuple[dict, Batch | DynamicBaseline]] = {}
-        if reference:
-            reference_row = {
-                "policy": DYNAMIC,
-                "label": DYNAMIC,
-                "budget": None,
-                "capacity": None,
-                "compiled": False,
-            }
-            runs[DYNAMIC] = (reference_row, DynamicBaseline(model))
-        for policy in policies:
-            for compiled in [False, True] if compile and policy.compilable else [False]:
-                key = repr(policy) + (" compiled" if compiled else "")
-                runs[key] = ({**policy.describe(), "compiled": compiled}, Batch(model, policy, compiled, length))
+        for fmt, lm in variants.items():
+            if reference:
+                reference_row = {
+                    "policy": DYNAMIC,
+                    "label": DYNAMIC,
+                    "budget": None,
+                    "capacity": None,
+                    "compiled": False,
+                    "weights": fmt,
+                }
+                runs[f"{DYNAMIC} {fmt}"] = (reference_row, DynamicBaseline(lm))
+            for policy in policies:
+                for compiled in [False, True] if compile and policy.compilable else [False]:
+                    key = f"{policy!r} {fmt}" + (" compiled" if compiled else "")
+                    row = {**policy.describe(), "compiled": compiled, "weights": fmt}
+                    runs[key] = (row, Batch(lm, policy, compiled, length))
         for _, run in tqdm(runs.values(), desc=f"prefill {context}", disable=not progress, leave=False):
             run.prefill([ids[0, :context].tolist()], pad_id=0, chunk=chunk)
         times: dict[str, list[float]] = {key: [] for key in runs}
@@ -159,7 +163,9 @@ def bench_speed(
                     run.cache.clock.enabled = True  # profile the timed steps (eager runs only)
         medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
         measured = bandwidth or triad.median()
-        full = next((medians[k] for k, (d, _) in runs.items() if d["policy"] == REFERENCE and not d["compiled"]), None)
+        full = {
+            d["weights"]: medians[k] for k, (d, _) in runs.items() if d["policy"] == REFERENCE and not d["compiled"]
+        }
         rss = process.memory_info().rss
         # ru_maxrss is KiB on Linux; the kernel's high-water mark can lag the current RSS by a few pages
         peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
@@ -176,22 +182,28 @@ def bench_speed(
             if profile:
                 profile["rest"] = round(statistics.mean(times[key]) * 1000 - sum(profile.values()), 3)
             moved = transfer.get("bytes_moved_per_step", 0)
+            weights = stored[description["weights"]]
             floor = floor_ms(weights, attended, moved, measured, link)
+            in_fp32 = next((k for k, (d, _) in runs.items() if d == {**description, "weights": "fp32"}), None)
             yield {
                 **description,
                 "context": context,
                 "ms_per_step": round(ms, 3),
                 "tokens_per_second": round(1000 / ms, 2),
-                "ratio_to_full": round(full / ms, 3) if full else None,
+                "ratio_to_full": round(full[description["weights"]] / ms, 3)
+                if description["weights"] in full
+                else None,
+                **({"ratio_to_fp32": round(medians[in_fp32] / ms, 3)} if in_fp32 and len(variants) > 1 else {}),
                 "kv_bytes": round(held),
                 "bytes_moved_per_step": moved,
                 **({"fetched_fraction": transfer["fetched_fraction"]} if transfer else {}),
                 "kv_bytes_attended_per_step": round(attended),
-                "weights_bytes": weights,
+                "weights_bytes": weights,  # as stored: the floor's weight bytes
                 "bandwidth_bytes_per_second": round(measured),
                 **({"link_bytes_per_second": round(link)} if link else {}),
                 "threads": torch.get_num_threads(),
                 "floor_ms_per_step": round(floor, 3),
+                "weights_floor_ms": round(weights / measured * 1000, 3),  # what the profile's "rest" compares with
                 "efficiency": round(floor / ms, 3),
                 "rss_bytes": rss,
                 "peak_rss_bytes": peak_rss,  # the process's peak so far: every cache of this context alive

@@ -10,7 +10,7 @@ from .. import data, models
 from ..errors import InfinikvError
 from ..policies import REGISTRY, make_policy, parse_spec, policy_class
 from ..preparation import ensure_prepared
-from .common import add_model_argument, add_policy_arguments, single_policy, split_policies
+from .common import add_model_argument, add_policy_arguments, load, single_policy, split_policies
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -68,7 +68,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     cells = asked or [(n, {}) for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
     # built before the model loads, so a bad option is refused at once
     policies = {name: None if policy_class(name).takes_budget else make_policy(name, **own) for name, own in cells}
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     for name, policy in policies.items():
         if policy is None or not policy.needs_preparation:
             print(f"{name}: nothing to prepare")

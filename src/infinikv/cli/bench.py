@@ -11,10 +11,11 @@ from pathlib import Path
 from .. import data, models
 from ..contract import REFERENCE
 from ..errors import InfinikvError
-from ..grid import PROTOCOLS, Cell
+from ..grid import PROTOCOLS
 from ..paths import home
 from ..policies import parse_spec
 from ..results import budget_text
+from ..weights import check_format
 from .common import (
     add_model_argument,
     add_policy_arguments,
@@ -22,7 +23,9 @@ from .common import (
     append_row,
     counts,
     grid,
+    load,
     needle_table,
+    policy_cells,
     ppl_table,
     prepare,
     results_file,
@@ -39,7 +42,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     policies = grid(args)
     if args.needles < 0:
         raise InfinikvError("--needles must be at least 0 (0 skips P-needle)")
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     context_tokens(tokenizer, data.load_text(args.text, from_chapter_one=True), args.context, args.continuation)
     if args.needles:  # both texts are long enough before any cell runs
         haystack = data.load_text(args.needle_text, from_chapter_one=True)
@@ -49,8 +52,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
     print(f"quality: P-ctx on {args.text}, P-needle on {args.needle_text}; results -> {out}", file=sys.stderr)
     ctx = {"text": args.text, "context": args.context, "continuation": args.continuation}
     needle = {"text": args.needle_text, "context": args.needle_context, "needles": args.needles, "seed": args.seed}
-    cells = [Cell("P-ctx", args.model, p.spec(), ctx) for p in policies]
-    cells += [Cell("P-needle", args.model, p.spec(), needle) for p in policies if args.needles]
+    cells = policy_cells(args, "P-ctx", policies, ctx)
+    cells += policy_cells(args, "P-needle", policies, needle) if args.needles else []
     every = run_cells(args, cells, out, model, tokenizer)
     rows = [r for r in every if r["protocol"] == "P-ctx"]
     needles = [r for r in every if r["protocol"] == "P-needle"]
@@ -79,8 +82,14 @@ def cmd_speed(args: argparse.Namespace) -> int:
         raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
     if args.compile and not any(p.compilable for p in policies):
         raise InfinikvError("--compile: none of these policies can be compiled")
+    formats = list(dict.fromkeys(f.strip() for f in args.weights.split(",") if f.strip()))
+    for fmt in formats:  # every format runnable before any loads
+        check_format(fmt, args.device)
     text = data.load_text(args.text)
-    model, tokenizer = models.load_model(args.model, device=args.device)
+    variants = {}
+    for fmt in formats:
+        variants[fmt], tokenizer = models.load_model(args.model, device=args.device, weights=fmt)
+    model = next(iter(variants.values()))
     need = max(contexts) + args.steps + 3
     ids = tokenizer(text[: need * 8], return_tensors="pt").input_ids[:, :need]
     if ids.shape[1] < need:
@@ -90,7 +99,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     print(f"speed: contexts {contexts}, {args.steps} steps; results -> {out}", file=sys.stderr)
     rows = []
     cells = bench_speed(
-        model,
+        variants,
         ids,
         policies,
         contexts,
@@ -109,22 +118,29 @@ def cmd_speed(args: argparse.Namespace) -> int:
         from ..bench.plots import speed_plot
 
         print(f"plot -> {speed_plot(rows, Path(args.plot))}", file=sys.stderr)
-    columns = ("ms/step", 9), ("tok/s", 8), ("x full", 7), ("floor ms", 9), ("eff.", 6), ("KV MiB", 8), ("RSS MiB", 8)
+    columns = [("ms/step", 9), ("tok/s", 8), ("x full", 7), ("x fp32", 7), ("floor ms", 9), ("eff.", 6)]
+    columns += [("KV MiB", 8), ("RSS MiB", 8)]
     print(f"{'context':>8} {'policy':<36} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for r in rows:
         ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
+        to_fp32 = f"{r['ratio_to_fp32']:.2f}" if r.get("ratio_to_fp32") else "-"
         print(
             f"{r['context']:>8} {run_label(r):<36} {budget_text(r):>8} {r['ms_per_step']:>9.1f} "
-            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {r['floor_ms_per_step']:>9.1f} {r['efficiency']:>6.2f} "
+            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {to_fp32:>7} {r['floor_ms_per_step']:>9.1f} "
+            f"{r['efficiency']:>6.2f} "
             f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
         )
-    print("\nwhere a decode step goes (mean ms): speculate / fetch (not overlapped) / attend / rest, speculate %")
+    print(
+        "\nwhere a decode step goes (mean ms): speculate / fetch (not overlapped) / attend / rest, speculate %, "
+        "and the weights' byte floor (what the rest compares with)"
+    )
     for r in rows:
         p = r["profile_ms"]
         if p:
             print(
                 f"{r['context']:>8} {run_label(r):<36} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
-                f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f} {p.get('speculate', 0) / sum(p.values()):>7.1%}"
+                f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f} {p.get('speculate', 0) / sum(p.values()):>7.1%} "
+                f"{r['weights_floor_ms']:>9.2f}"
             )
     for context in sorted({r["context"] for r in rows}):
         bandwidth = next(r["bandwidth_bytes_per_second"] for r in rows if r["context"] == context)
@@ -145,7 +161,7 @@ def cmd_generation(args: argparse.Namespace) -> int:
         raise InfinikvError("--window must be at least 2, and --tokens at least --window")
     spec = single_policy(args) or {"policy": REFERENCE}
     policy = parse_spec(spec)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     prepare([policy], model, tokenizer, progress=not args.quiet)
     out = results_file(args, "generation")
     row = long_generation(
@@ -169,7 +185,8 @@ def cmd_generation(args: argparse.Namespace) -> int:
 
 
 def run_label(row: dict) -> str:
-    return row["label"] + (" (compiled)" if row.get("compiled") else "")
+    weights = f" [{row['weights']}]" if row.get("weights", "fp32") != "fp32" else ""
+    return row["label"] + weights + (" (compiled)" if row.get("compiled") else "")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -311,7 +328,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.set_defaults(func=cmd_quality, budgets="0.05,0.1,0.2,0.5")
 
     p = bench.add_parser("speed", help="median ms per decode step by context, policies interleaved")
-    add_model_argument(p)
+    add_model_argument(p, several_weights=True)
     p.add_argument("--text", default="austen:all")
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
     p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")

@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .. import models
+from .. import models, weights
 from ..cluster import INSTALL, LOCAL
 from ..contract import REFERENCE
 from ..errors import InfinikvError
@@ -214,13 +214,13 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
         return f"{where}{row['label']} budget={budget_text(row)} {metric}={row[metric]:.4g}"
 
     if args.ray is None:
-        worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer))
+        worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer), weights=args.weights)
         return run_grid(cells, out, lambda: LocalPool(worker), describe, not args.quiet)
     from ..cluster import RayPool, connect
 
     leave = connect(args.ray)
     try:
-        pool = partial(RayPool, args.model, args.workers, args.worker_cpus, args.worker_gpus)
+        pool = partial(RayPool, args.model, args.workers, args.worker_cpus, args.worker_gpus, args.weights)
         return run_grid(cells, out, pool, describe, not args.quiet)
     finally:
         leave()
@@ -250,8 +250,29 @@ def needle_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
+def add_model_argument(parser: argparse.ArgumentParser, several_weights: bool = False) -> None:
+    """``--model`` and ``--weights`` (one format, or with ``several_weights`` a comma-separated list)."""
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
+    formats = "|".join(weights.FORMATS)
+    parser.add_argument(
+        "--weights",
+        default=weights.DEFAULT_FORMAT,
+        metavar="FORMAT[,FORMAT...]" if several_weights else formats,
+        help=(f"weight formats to compare ({formats}), comma-separated" if several_weights else f"{formats}")
+        + f": how the Linear weights are stored and multiplied; K/V stays fp32 (default {weights.DEFAULT_FORMAT})",
+    )
+
+
+def policy_cells(
+    args: argparse.Namespace, protocol: str, policies: list[Policy], params: dict, options: dict | None = None
+) -> list[Cell]:
+    """One cell of ``protocol`` per policy on ``--model`` stored as ``--weights``."""
+    return [Cell(protocol, args.model, p.spec(), params, options or {}, weights=args.weights) for p in policies]
+
+
+def load(args: argparse.Namespace, device: str = "cpu"):
+    """``(model, tokenizer)`` of ``--model`` stored as ``--weights``."""
+    return models.load_model(args.model, device=device, weights=args.weights)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: bool = True) -> None:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import data, models
+from .. import data
 from ..errors import InfinikvError
 from ..eval.ruler import TASKS as RULER_TASKS
 from ..grid import Cell
@@ -19,7 +19,9 @@ from .common import (
     add_run_arguments,
     counts,
     grid,
+    load,
     needle_table,
+    policy_cells,
     ppl_table,
     prepare,
     results_file,
@@ -32,13 +34,14 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     context_tokens(tokenizer, text, args.context, args.continuation)  # a text too short fails before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "ppl")
-    print(f"P-ctx on {args.text}: {args.context} + {args.continuation} tokens; results -> {out}", file=sys.stderr)
+    what = f"{args.context} + {args.continuation} tokens, {args.weights} weights"
+    print(f"P-ctx on {args.text}: {what}; results -> {out}", file=sys.stderr)
     params = {"text": args.text, "context": args.context, "continuation": args.continuation}
-    cells = [Cell("P-ctx", args.model, p.spec(), params, {"compile": args.compile}) for p in policies]
+    cells = policy_cells(args, "P-ctx", policies, params, {"compile": args.compile})
     rows = run_cells(args, cells, out, model, tokenizer)
     print(json.dumps(rows, indent=2) if args.json else ppl_table(rows))
     return 0
@@ -49,7 +52,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     needle_cases(tokenizer, text, args.context, args.needles, args.seed)  # fits, before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "needle")
@@ -57,7 +60,13 @@ def cmd_needle(args: argparse.Namespace) -> int:
         f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
     )
     params = {"text": args.text, "context": args.context, "needles": args.needles, "seed": args.seed}
-    rows = run_cells(args, [Cell("P-needle", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
+    rows = run_cells(
+        args,
+        policy_cells(args, "P-needle", policies, params),
+        out,
+        model,
+        tokenizer,
+    )
     print(json.dumps(rows, indent=2) if args.json else f"{needle_table(rows)}\n\n{needle_found(rows)}".rstrip())
     return 0
 
@@ -73,7 +82,7 @@ def cmd_ruler(args: argparse.Namespace) -> int:
         raise InfinikvError("--samples and --batch-size must be at least 1")
     needs_text = any(ruler.TASKS[t].haystack == "text" for t in tasks)
     text = data.load_text(args.text, from_chapter_one=True) if needs_text else None
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     trained = getattr(model.config, "max_position_embeddings", None)
     for task in tasks:  # every task must fit every length before any cell runs
         for length in lengths:
@@ -92,6 +101,7 @@ def cmd_ruler(args: argparse.Namespace) -> int:
             policy.spec(),
             {"task": task, "length": length, "samples": args.samples, "seed": args.seed, "text": args.text},
             {"batch_size": args.batch_size},
+            weights=args.weights,
         )
         for length in lengths
         for task in tasks
@@ -111,13 +121,19 @@ def cmd_stream(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.chunk < 1 or args.window < 1:
         raise InfinikvError("--tokens must be at least 2, --chunk and --window at least 1")
     text = data.load_text(args.text)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     stream_tokens(tokenizer, text, args.tokens)  # long enough, before any cell
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     out = results_file(args, "stream")
     print(f"P-stream: {args.tokens} tokens of {args.text} in chunks of {args.chunk}; results -> {out}", file=sys.stderr)
     params = {"text": args.text, "tokens": args.tokens, "chunk": args.chunk, "window": args.window}
-    rows = run_cells(args, [Cell("P-stream", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
+    rows = run_cells(
+        args,
+        policy_cells(args, "P-stream", policies, params),
+        out,
+        model,
+        tokenizer,
+    )
     if args.plot:
         trained = getattr(model.config, "max_position_embeddings", None)
         print(f"plot -> {plot(rows, Path(args.plot), trained)}", file=sys.stderr)
@@ -145,13 +161,19 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
     policies = grid(args)
     text = data.load_text(args.text, from_chapter_one=True)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     prepare(policies, model, tokenizer, args.text, not args.quiet)
     context_tokens(tokenizer, text, args.context, args.steps)  # long enough, before any cell
     out = results_file(args, "recall")
     print(f"recall on {args.text} at {args.context} tokens, {args.steps} decode steps -> {out}", file=sys.stderr)
     params = {"text": args.text, "context": args.context, "steps": args.steps}
-    rows = run_cells(args, [Cell("recall", args.model, p.spec(), params) for p in policies], out, model, tokenizer)
+    rows = run_cells(
+        args,
+        policy_cells(args, "recall", policies, params),
+        out,
+        model,
+        tokenizer,
+    )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -11,7 +11,7 @@ from .. import models
 from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..policies import parse_spec
-from .common import add_model_argument, add_policy_arguments, mib, prepare, single_policy
+from .common import add_model_argument, add_policy_arguments, load, mib, prepare, single_policy
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     if any(not p.strip() for p in ([prompts] if isinstance(prompts, str) else prompts)):
         raise InfinikvError("the prompt is empty")
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     policy = parse_spec(spec or models.default_policy_spec(model) or {"policy": REFERENCE})
     prepare([policy], model, tokenizer)
     stream = not args.json and isinstance(prompts, str)

@@ -17,6 +17,7 @@ from .common import (
     add_ray_flag,
     check_ray_flags,
     given_options,
+    load,
     mib,
     single_policy,
     split_policies,
@@ -63,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = models.load_model(args.model)
+    model, tokenizer = load(args)
     spec = spec or models.default_policy_spec(model) or {"policy": REFERENCE}
     app = create_app(model, tokenizer, args.model, spec, say=say, **options)
     print(
@@ -97,6 +98,7 @@ def serve_on_ray(args: argparse.Namespace, spec: dict | None, options: dict) -> 
             args.port,
             args.threads,
             options,
+            args.weights,
         )
     finally:
         leave()
@@ -118,7 +120,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.turns and args.ray is not None:
         raise InfinikvError("--turns runs on one server process; drop --ray")
     serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue), "--prepare", args.prepare]
-    serve_args += ["--keep-conversations", str(args.keep_conversations)]
+    serve_args += ["--keep-conversations", str(args.keep_conversations), "--weights", args.weights]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
     serve_args += ["--prefill-chunk", str(args.prefill_chunk)] + (["--compile"] if args.compile else [])
     if spec:

@@ -192,7 +192,7 @@ def query_norm(
     if norm is None:
         return None
     eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
-    ones = torch.ones(module.head_dim, dtype=module.q_proj.weight.dtype, device=columns.device)
+    ones = torch.ones(module.head_dim, dtype=norm.weight.dtype, device=columns.device)
     gain = (norm(ones) * math.sqrt(1 + eps))[columns]  # an RMS norm of ones is its gain
     square = torch.tensor(prep["query_square"][layer], device=columns.device)  # (H, d)
     square = square.view(columns.shape[0], -1, square.shape[-1])  # (h, g, d)

@@ -64,14 +64,16 @@ class BoardPeers:
 class Replica:
     """One replica: loads the model and builds the app (``__serve_build_asgi_app__``)."""
 
-    def __init__(self, model_name: str, board, device: str, threads: int | None, app_options: dict[str, Any]) -> None:
+    def __init__(
+        self, model_name: str, board, device: str, threads: int | None, app_options: dict[str, Any], weights: str
+    ) -> None:
         import torch
 
         from .. import models
 
         if threads:
             torch.set_num_threads(threads)
-        model, tokenizer = models.load_model(model_name, device=device)
+        model, tokenizer = models.load_model(model_name, device=device, weights=weights)
         name = serve.get_replica_context().replica_id.unique_id
         default_kv = app_options["default_kv"] or models.default_policy_spec(model) or {"policy": REFERENCE}
         options = {**app_options, "default_kv": default_kv}
@@ -90,6 +92,7 @@ def serve_replicas(
     port: int,
     threads: int | None,
     app_options: dict[str, Any],
+    weights: str = "fp32",
 ) -> None:
     """Deploy ``replicas`` replicas behind Serve's HTTP proxy on host:port and block until
     SIGINT or SIGTERM, then remove the deployment (a local cluster goes with the driver)."""
@@ -114,7 +117,9 @@ def serve_replicas(
     serve.start(http_options={"host": host, "port": port})
     device = "cuda" if gpus else "cpu"
     try:
-        serve.run(deployment.bind(model_name, board, device, threads or max(1, int(cpus)), app_options), name=APP)
+        serve.run(
+            deployment.bind(model_name, board, device, threads or max(1, int(cpus)), app_options, weights), name=APP
+        )
     except Exception as exc:  # a replica that cannot start (a missing model) fails the deployment
         why = error_line(exc)
         try:

@@ -1,0 +1,245 @@
+"""Weight formats: how a loaded model stores its weights, and the kernels that read them.
+
+``fp32`` keeps the model as loaded. ``bf16``, ``int8`` and ``int4`` replace every ``nn.Linear``
+(the LM head included) by a :class:`PackedLinear` holding its weight in that format, and the
+input embedding by a :class:`PackedEmbedding` (bf16 or int8 rows); the fp32 weight is freed as
+each module is packed. Activations, norms, biases and so the K/V stay in the model's dtype: a
+policy sees the same keys whatever the weights, and exactness against ``full`` holds per format.
+
+The kernels are torch's own CPU weight-only ones (``aten._weight_int8pack_mm``,
+``aten._weight_int4pack_mm_for_cpu``: the ops torchao's CPU int4 layout calls and inductor's
+int8 weight-only pattern lowers to), called directly: torchao 0.18's eager int8 linear
+dequantizes the whole weight on every call (slower than fp32), and its tensor-subclass dispatch
+would add a Python hop to each of a step's ~200 small matmuls. Both kernels take bf16 inputs, so
+each packed matmul casts its input to bf16 and its output back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .errors import InfinikvError
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_FORMAT = "fp32"
+INT4_GROUP = 32  # values per scale and zero: the block of the Q4 GGUFs the bundled models come from
+_KERNELS = {"fp32": "fp32 matmul", "bf16": "bf16 matmul", "int8": "int8 weight-only", "int4": "int4 weight-only"}
+
+
+def check_format(name: str, device: torch.device | str = "cpu") -> str:
+    """``name`` if this machine can run it on ``device``, else the one-line error naming what can."""
+    if name not in FORMATS:
+        raise InfinikvError(f"unknown weight format {name!r}; choose one of {', '.join(FORMATS)}")
+    runnable = runnable_formats(device)
+    if name not in runnable:
+        raise InfinikvError(
+            f"weights {name} cannot run on {torch.device(device).type} here "
+            f"(no {_KERNELS[name]} kernel for it); this machine runs: {', '.join(runnable)}"
+        )
+    return name
+
+
+def runnable_formats(device: torch.device | str = "cpu") -> list[str]:
+    """The formats whose kernels run on ``device`` (tried on a tiny matmul, once per device)."""
+    device = torch.device(device)
+    if device not in _RUNNABLE:
+        _RUNNABLE[device] = [name for name in FORMATS if _kernel_runs(name, device)]
+    return _RUNNABLE[device]
+
+
+_RUNNABLE: dict[torch.device, list[str]] = {}
+
+
+def _kernel_runs(name: str, device: torch.device) -> bool:
+    if name == "fp32":
+        return True
+    try:
+        with torch.inference_mode():
+            linear = nn.Linear(2 * INT4_GROUP, 64, bias=False, device=device)
+            PackedLinear(linear, name)(torch.ones(1, 2 * INT4_GROUP, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``weight [N, K]`` -> ``(q int8 [N, K], scale bf16 [N])``, ``weight ~ q * scale``."""
+    scale = (weight.abs().amax(dim=1).float() / 127).clamp(min=1e-12)
+    q = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per ``group`` values of a row, in the layout of torch's CPU int4 kernel.
+
+    ``weight [N, K]`` -> ``(q int32 [N, K] in 0..15, scale_and_zero bf16 [K / group, N, 2])`` with
+    ``weight ~ (q - 8) * scale + zero`` (the zero is the value at the middle code 8).
+    """
+    rows, width = weight.shape
+    groups = weight.float().reshape(rows, width // group, group)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    zero = low + scale * 8
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(rows, width)
+    scale_and_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return q, scale_and_zero
+
+
+def dequantize_int4(q: torch.Tensor, scale_and_zero: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` that ``quantize_int4``'s ``(q, scale_and_zero)`` stand for."""
+    rows, width = q.shape
+    scale, zero = scale_and_zero.float().transpose(0, 1).unbind(-1)  # [N, K / group] each
+    codes = q.float().reshape(rows, width // group, group) - 8
+    return (codes * scale[..., None] + zero[..., None]).reshape(rows, width)
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` with its weight stored as ``fmt`` (bf16, int8 or int4); the fp32 weight is not kept.
+
+    ``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype; the bias, if any,
+    stays in the dtype it was loaded in.
+    """
+
+    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        weight = linear.weight.detach()
+        if fmt == "bf16":
+            self.register_buffer("weight", weight.to(torch.bfloat16))
+        elif fmt == "int8":
+            q, scale = quantize_int8(weight)
+            self.register_buffer("weight", q)
+            self.register_buffer("scale", scale)
+        elif fmt == "int4":
+            if self.in_features % INT4_GROUP:
+                raise InfinikvError(f"int4 weights need in_features divisible by {INT4_GROUP}, got {self.in_features}")
+            q, scale_and_zero = quantize_int4(weight)
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            self.register_buffer("scale_and_zero", scale_and_zero)
+        else:
+            raise ValueError(f"no packed linear for {fmt!r}")
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features).to(torch.bfloat16))
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat [M, in_features]`` bf16 times the stored weight, transposed: ``[M, out_features]`` bf16."""
+        if self.fmt == "int8":
+            y = torch._weight_int8pack_mm(flat, self.weight, self.scale)
+        elif self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scale_and_zero)
+        else:
+            y = F.linear(flat, self.weight)
+        return y
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight ``[out_features, in_features]`` this module multiplies by (int4's packed
+        layout has no unpacking op: the kernel applied to the identity gives it, bf16-rounded)."""
+        if self.fmt == "int8":
+            return self.weight.float() * self.scale.float()[:, None]
+        if self.fmt == "bf16":
+            return self.weight.float()
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
+        return self.matmul(identity).float().T.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.fmt}"
+
+
+class PackedEmbedding(nn.Module):
+    """An input embedding whose rows are stored in bf16, or int8 with one scale per row (for
+    ``int8`` and ``int4``: a lookup reads a few rows, so the table's format costs no speed).
+    Keeps a Gemma-style ``embed_scale`` (a multiplier the original module applied)."""
+
+    def __init__(self, embedding: nn.Embedding, fmt: str) -> None:
+        super().__init__()
+        table, self.padding_idx = embedding.weight.detach(), embedding.padding_idx
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.dtype = table.dtype
+        if fmt == "bf16":
+            self.register_buffer("weight", table.to(torch.bfloat16))
+            self.scale = None
+        else:
+            q, scale = quantize_int8(table)
+            self.register_buffer("weight", q)
+            self.register_buffer("scale", scale)
+        embed_scale = getattr(embedding, "embed_scale", None)
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight).to(self.dtype)
+        if self.scale is not None:
+            rows = rows * self.scale[ids].to(self.dtype)[..., None]
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
+
+
+def pack_weights(model: nn.Module, fmt: str) -> nn.Module:
+    """Store ``model``'s weights as ``fmt`` in place (see the module docstring); returns it.
+
+    The LM head is packed on its own even when it shares its weight with the embedding (two
+    smaller copies in place of one fp32 table), and under ``int4`` it is kept in int8: it is the
+    matrix the GGUFs keep at more bits (SmolLM2's Q4_1 file holds its decoder weights on a 16-level
+    grid per 32 values, which int4 reproduces, but its tied embedding at ~29 levels: int4 moved
+    that table by 9.7% of its mean magnitude). Every other ``nn.Linear`` is packed as ``fmt``.
+    """
+    check_format(fmt, next(model.parameters()).device)
+    if fmt == DEFAULT_FORMAT:
+        return model
+    model.set_input_embeddings(PackedEmbedding(model.get_input_embeddings(), fmt))
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        model.set_output_embeddings(PackedLinear(head, "int8" if fmt == "int4" else fmt))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child, fmt))
+    # a tied LM head shared the embedding's Parameter: both are replaced, so drop the tie
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    _release_loaded_file(model)
+    return model
+
+
+def _release_loaded_file(model: nn.Module) -> None:
+    """Give back the memory the fp32 weights held once they are packed.
+
+    transformers loads safetensors as views of one memory map of the file: a norm's few bytes,
+    left unpacked, kept all 513 MiB of SmolLM2's file mapped and resident (measured). Copying what
+    is left unpacked drops the map; glibc keeps the freed quantization temporaries in its heap
+    until asked to trim it (320 MiB here).
+    """
+    for module in model.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None and not isinstance(module, (PackedLinear, PackedEmbedding)):
+                tensor.data = tensor.data.clone()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight ``[out, in]`` (fp32 when packed), whatever format stores it
+    (what InfiniGen's partial query weights are cut from)."""
+    return linear.dense() if isinstance(linear, PackedLinear) else linear.weight.detach()
+
+
+def weights_format(model: nn.Module) -> str:
+    """The format ``pack_weights`` stored ``model`` in (``fp32`` when never packed)."""
+    return next((m.fmt for m in model.modules() if isinstance(m, PackedLinear)), DEFAULT_FORMAT)
+
+
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored: parameters and buffers, each shared tensor once."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
