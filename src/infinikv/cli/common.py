@@ -258,8 +258,8 @@ def add_model_argument(parser: argparse.ArgumentParser, several_weights: bool = 
         "--weights",
         default=weights.DEFAULT_FORMAT,
         metavar="FORMAT[,FORMAT...]" if several_weights else formats,
-        help=(f"weight formats to compare ({formats}), comma-separated" if several_weights else f"{formats}")
-        + f": how the Linear weights are stored and multiplied; K/V stays fp32 (default {weights.DEFAULT_FORMAT})",
+        help=("weight formats to compare, comma-separated: " if several_weights else "")
+        + f"how the Linear weights are stored and multiplied; K/V stays fp32 (default {weights.DEFAULT_FORMAT})",
     )
 
 
