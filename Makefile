@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.dev-stamp
 HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
 # Test processes: each takes cores / workers torch threads (tests/conftest.py); 1 runs in-process.
+# A file's tests stay on one worker (--dist loadfile): tests/test_ray.py counts the Ray processes
+# of the whole machine, so its clusters must not overlap.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test setup setup-dev lint clean
@@ -40,7 +42,7 @@ demo: setup
 		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 test: setup-dev
-	$(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+	$(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests scripts examples setup.py

@@ -21,8 +21,6 @@ import torch
 from infinikv.cli import main
 from infinikv.serve.bench import free_port
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time, on one test worker
-
 GRID = ["--context", "128", "--continuation", "12", "--policies", "full,sink,h2o", "--budgets", "0.5", "--quiet"]
 TIMING = {"seconds"}  # the only fields of a row that differ between two runs of the same cell
 
