@@ -141,7 +141,7 @@ def test_unknown_format_is_one_line():
 
 def test_a_format_without_its_kernel_names_what_runs(monkeypatch, tiny_folder):
     """A machine whose torch lacks the int4 kernel: the CLI says so in one line, exit 2."""
-    monkeypatch.setattr(weights, "_RUNNABLE", {torch.device("cpu"): ["fp32", "bf16", "int8"]})
+    monkeypatch.setattr(weights, "runs", lambda name, device="cpu": name != "int4")
     with pytest.raises(
         InfinikvError, match="weights int4 cannot run on cpu here .* this machine runs: fp32, bf16, int8"
     ):

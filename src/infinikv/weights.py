@@ -2,9 +2,10 @@
 
 ``fp32`` keeps the model as loaded. ``bf16``, ``int8`` and ``int4`` replace every ``nn.Linear``
 (the LM head included) by a :class:`PackedLinear` holding its weight in that format, and the
-input embedding by a :class:`PackedEmbedding` (bf16 or int8 rows); the fp32 weight is freed as
-each module is packed. Activations, norms, biases and so the K/V stay in the model's dtype: a
-policy sees the same keys whatever the weights, and exactness against ``full`` holds per format.
+input embedding by a :class:`PackedEmbedding` (bf16 or int8 rows); the fp32 weights (and the
+loaded file's memory map) are released once every module is packed. Activations, norms, biases
+and so the K/V stay in the model's dtype: a policy sees the same kind of keys whatever the
+weights (its exactness against ``full`` under packed weights: tests/test_weights.py).
 
 The kernels are torch's own CPU weight-only ones (``aten._weight_int8pack_mm``,
 ``aten._weight_int4pack_mm_for_cpu``: the ops torchao's CPU int4 layout calls and inductor's
@@ -17,6 +18,7 @@ each packed matmul casts its input to bf16 and its output back.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 
 import torch
@@ -35,29 +37,20 @@ def check_format(name: str, device: torch.device | str = "cpu") -> str:
     """``name`` if this machine can run it on ``device``, else the one-line error naming what can."""
     if name not in FORMATS:
         raise InfinikvError(f"unknown weight format {name!r}; choose one of {', '.join(FORMATS)}")
-    runnable = runnable_formats(device)
-    if name not in runnable:
+    if not runs(name, device):
         raise InfinikvError(
-            f"weights {name} cannot run on {torch.device(device).type} here "
-            f"(no {_KERNELS[name]} kernel for it); this machine runs: {', '.join(runnable)}"
+            f"weights {name} cannot run on {torch.device(device).type} here (no {_KERNELS[name]} kernel for "
+            f"it); this machine runs: {', '.join(f for f in FORMATS if runs(f, device))}"
         )
     return name
 
 
-def runnable_formats(device: torch.device | str = "cpu") -> list[str]:
-    """The formats whose kernels run on ``device`` (tried on a tiny matmul, once per device)."""
-    device = torch.device(device)
-    if device not in _RUNNABLE:
-        _RUNNABLE[device] = [name for name in FORMATS if _kernel_runs(name, device)]
-    return _RUNNABLE[device]
-
-
-_RUNNABLE: dict[torch.device, list[str]] = {}
-
-
-def _kernel_runs(name: str, device: torch.device) -> bool:
+@functools.cache
+def runs(name: str, device: torch.device | str = "cpu") -> bool:
+    """Whether format ``name``'s kernel runs on ``device`` (tried once on a tiny matmul)."""
     if name == "fp32":
         return True
+    device = torch.device(device)
     try:
         with torch.inference_mode():
             linear = nn.Linear(2 * INT4_GROUP, 64, bias=False, device=device)
@@ -133,12 +126,10 @@ class PackedLinear(nn.Module):
     def matmul(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat [M, in_features]`` bf16 times the stored weight, transposed: ``[M, out_features]`` bf16."""
         if self.fmt == "int8":
-            y = torch._weight_int8pack_mm(flat, self.weight, self.scale)
-        elif self.fmt == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scale_and_zero)
-        else:
-            y = F.linear(flat, self.weight)
-        return y
+            return torch._weight_int8pack_mm(flat, self.weight, self.scale)
+        if self.fmt == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scale_and_zero)
+        return F.linear(flat, self.weight)
 
     def dense(self) -> torch.Tensor:
         """The fp32 weight ``[out_features, in_features]`` this module multiplies by (int4's packed
