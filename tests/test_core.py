@@ -101,6 +101,28 @@ def test_compiled_decode_steps_equal_eager_ones(tiny, name, options):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.slow
+@torch.inference_mode()
+def test_two_models_compiled_side_by_side_each_run_their_own_graph(tiny_folder):
+    """Compiled steps drop dynamo's guards on the model's modules (``core.compiled_decode``): two
+    models of one architecture, fp32 and int8, decoded alternately, each equal their eager steps."""
+    from infinikv import load_model
+
+    ids = torch.randint(0, 1000, (1, 40))
+    runs = []
+    for fmt in ("fp32", "int8"):
+        model, _ = load_model(str(tiny_folder), weights=fmt)
+        pair = [Batch(model, make_policy("bct", capacity=16), compile=c, max_length=40) for c in (False, True)]
+        for batch in pair:
+            batch.feed(ids[:, :8])
+        runs.append(pair)
+    for i in range(8, 24):
+        steps = [[batch.step(ids[:, i]) for batch in pair] for pair in runs]
+        for eager, compiled in steps:
+            assert (eager - compiled).abs().max() < 1e-4
+        assert (steps[0][0] - steps[1][0]).abs().max() > 1e-3  # the two formats do differ
+
+
 def test_compiling_a_growing_cache_is_refused(tiny):
     from infinikv.errors import InfinikvError
 

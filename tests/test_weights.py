@@ -75,6 +75,37 @@ def test_tiny_model_in_int8_decodes_with_a_quarter_of_the_bytes(tiny_folder):
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@torch.inference_mode()
+def test_gated_mlps_are_fused_and_compute_what_they_did(fmt, tiny_folder, monkeypatch):
+    """Packing stacks each gated MLP's gate and up into one matrix; the logits are bit for bit those
+    of the same format unfused (each output row is the same dot product)."""
+    model, _ = load_model(str(tiny_folder), weights=fmt)
+    assert sum(isinstance(m, weights.GatedMLP) for m in model.modules()) == model.config.num_hidden_layers
+    monkeypatch.setattr(weights, "fuse_gated_mlps", lambda model: 0)
+    unfused, _ = load_model(str(tiny_folder), weights=fmt)
+    assert not any(isinstance(m, weights.GatedMLP) for m in unfused.modules())
+    ids = torch.randint(0, 1000, (2, 24))
+    assert torch.equal(model(input_ids=ids).logits, unfused(input_ids=ids).logits)
+
+
+def test_an_mlp_that_combines_its_parts_otherwise_stays_unfused():
+    class UpGated(nn.Module):  # act(up) * gate: the same parts, another function
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(UpGated())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(model[0], name, PackedLinear(getattr(model[0], name), "int8"))
+    assert weights.fuse_gated_mlps(model) == 0 and isinstance(model[0], UpGated)
+
+
 @pytest.fixture(scope="module")
 def real_int8():
     return load_model("smollm2-135m", weights="int8")

@@ -141,8 +141,63 @@ class PackedLinear(nn.Module):
         identity = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
         return self.matmul(identity).float().T.contiguous()
 
+    @classmethod
+    def stacked(cls, parts: list[PackedLinear]) -> PackedLinear:
+        """One packed linear whose output is ``parts``' outputs side by side (their rows stacked, in
+        their own format: nothing is re-quantized)."""
+        first = parts[0]
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.fmt = first.in_features, first.fmt
+        out.out_features = sum(p.out_features for p in parts)
+        for name, rows_dim in (("weight", 0), ("scale", 0), ("scale_and_zero", 1)):
+            if hasattr(first, name):
+                out.register_buffer(name, torch.cat([getattr(p, name) for p in parts], rows_dim))
+        biases = [p.bias for p in parts]
+        out.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+        return out
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.fmt}"
+
+
+class GatedMLP(nn.Module):
+    """A gated MLP, ``down(act(gate(x)) * up(x))`` (Llama, Qwen2, Gemma3...), with its gate and up
+    projections packed as one matrix: one matmul and one cast of its input where there were two.
+    ``forward(x [..., D]) -> [..., D]``."""
+
+    def __init__(self, gate: PackedLinear, up: PackedLinear, down: PackedLinear, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.gate_up, self.down_proj, self.act_fn = PackedLinear.stacked([gate, up]), down, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_gated_mlps(model: nn.Module) -> int:
+    """Replace each packed gated MLP of ``model`` by a :class:`GatedMLP`; returns how many.
+
+    An MLP qualifies by its parts (packed ``gate_proj``, ``up_proj``, ``down_proj`` and an
+    ``act_fn``, nothing else) and by its output: the fused module must give the original's on a
+    random input, so an MLP that combines the same parts another way stays as it is.
+    """
+    fused = 0
+    for parent in list(model.modules()):
+        for name, mlp in list(parent.named_children()):
+            parts = dict(mlp.named_children())
+            if set(parts) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+                continue
+            if not all(isinstance(parts[p], PackedLinear) for p in ("gate_proj", "up_proj", "down_proj")):
+                continue
+            candidate = GatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+            probe = torch.randn(2, mlp.gate_proj.in_features, device=mlp.gate_proj.weight.device)
+            with torch.inference_mode():
+                same = torch.allclose(candidate(probe), mlp(probe), rtol=1e-3, atol=1e-4)
+            if same:
+                setattr(parent, name, candidate)
+                fused += 1
+    return fused
 
 
 class PackedEmbedding(nn.Module):
@@ -192,6 +247,7 @@ def pack_weights(model: nn.Module, fmt: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, fmt))
+    fuse_gated_mlps(model)
     # a tied LM head shared the embedding's Parameter: both are replaced, so drop the tie
     model.config.tie_word_embeddings = False
     if hasattr(model.config, "get_text_config"):
