@@ -85,6 +85,33 @@ def test_mass_rule_never_fetches_unfetchable_tokens():
     assert 1 not in rows[fetch].tolist() and int(fetch.sum()) == 2
 
 
+@pytest.mark.parametrize("with_resident", [False, True])
+def test_taking_the_cap_picks_the_sorted_top_k_set(with_resident):
+    """The unranked top-k of the cap rule (``mass`` 1) against a full sort of the same weights, on
+    logits with no ties (a tie at the k-th weight could go either way): the same set of rows, and
+    only unfetchable tokens left out."""
+    torch.manual_seed(0)
+    scores = torch.randn(2, 3, 2, 500) * 4
+    scores[:, :, :, 7] = -math.inf  # never fetched
+    resident = (torch.arange(500) < 4) | (torch.arange(500) >= 490) if with_resident else None
+    rows, fetch = select_by_mass(scores, 1.0, [60, 60], resident)
+    probs = scores.softmax(-1).mean(2)
+    rank = probs if resident is None else probs + 2 * resident
+    expected = rank.argsort(-1, descending=True)[..., :60].sort(-1).values
+    assert torch.equal(rows.sort(-1).values, expected) and bool(fetch.all())
+    few = scores.clone()
+    few[..., 50:] = -math.inf  # 49 fetchable tokens (0-49 but 7), a cap of 60: the rest are masked out
+    rows, fetch = select_by_mass(few, 1.0, [60, 60])
+    assert rows.shape[-1] == 60 and (fetch.sum(-1) == 49).all()
+    assert bool((rows[fetch] < 50).all()) and not bool((rows[fetch] == 7).any())
+
+
+def test_the_mass_rule_copies_its_cap_and_masks_what_it_does_not_want():
+    scores = logits(0.5, 0.3, 0.15, 0.05).view(1, 1, 1, 4)
+    rows, fetch = select_by_mass(scores, 0.7, [3])
+    assert rows.shape[-1] == 3 and rows[fetch].tolist() == [0, 1]
+
+
 def test_rotary_pairs_give_exact_partial_dot_products():
     """A partial query over whole rotary pairs equals the rotated full query restricted to them."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -9,8 +9,8 @@ server, every evaluation, ``bench speed``) goes through here.
 
 Before each forward the core tells the cache what is coming (``KVCache.begin``: tokens per row,
 which are padding, their positions), so the cache plans on the host from counts it keeps there,
-and a steady decode step of a one-tier cache makes no device-to-host synchronisation (a two-tier
-cache's selection may read the device; see ``cache.fetch``). With ``compile=True`` the
+and a steady decode step makes no device-to-host synchronisation (a two-tier cache's copies
+too are sized on the host; see ``cache.fetch``). With ``compile=True`` the
 decode step of a cache whose shapes are static (``policy.compilable``) runs through
 ``torch.compile`` (inductor with the system C compiler on a CPU, CUDA graphs on a GPU); prefill
 always runs eagerly.

@@ -2,8 +2,9 @@
 attends to the rows a ``Selection`` chooses, copied to the fast tier (``kv.tiers``).
 
 A selection runs as the previous layer's attention starts (``ahead``, so the copy can overlap
-that layer on a GPU) or as its own layer's starts. Choosing the rows may read the device: the
-mass rule reads the size of its copy once per layer (see ``kv.speculation.select_by_mass``).
+that layer on a GPU) or as its own layer's starts. Choosing the rows never reads the device:
+every copy between tiers has a size known on the host (a rule that wants fewer rows masks the
+rest; see ``kv.speculation.select_by_mass``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ A ``KVLayer`` holds ``Slots`` (storage), and optionally an ``Evictor`` (a rule w
 
 For storage alone and the evicting stages, ``update`` and ``attend`` are tensor operations with
 no host synchronisation and no Python state that changes from one decode step to the next, so
-a steady decode step can run under ``torch.compile``; a fetch stage's selection may read the
-device (see ``cache.fetch``).
+a steady decode step can run under ``torch.compile``; a fetch stage reads no device either, but
+the size of its copy changes as tokens arrive (see ``cache.fetch``).
 """
 
 from __future__ import annotations

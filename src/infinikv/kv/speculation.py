@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .rope import rotate
 
@@ -59,7 +60,9 @@ def partial_query(
     [first halves | second halves]) or None; ``norm`` the arguments of ``normalize_partial``
     after pq for a QK-norm model, or None. Returns (b, h, g, q, c).
     """
-    pq = torch.einsum("bqD,hgcD->bhgqc", x, weight)
+    b, q, _ = x.shape
+    h, g, c, width = weight.shape
+    pq = F.linear(x, weight.view(h * g * c, width)).view(b, q, h, g, c).permute(0, 2, 3, 1, 4)  # one GEMV
     if bias is not None:
         pq = pq + bias[None, :, :, None, :]
     if norm is not None:
@@ -126,18 +129,24 @@ def select_by_mass(
     serves). ``cap`` (one int per sequence, known on the host) caps its count; ``mass`` >= 1
     takes the cap. ``resident`` (b, h, n), or (n,) for every row, marks tokens always taken
     (they come first; their mass counts). Returns ``(rows, fetch)``, both (b, h, k), k the
-    largest count in the batch, sorted by slot; ``fetch`` is False past a head's own count.
+    largest cap in the batch (known on the host: the copy between tiers has a fixed size and no
+    step waits for the device to size it); ``fetch`` is False past a head's own count. The rows
+    come in slot order, except where every row takes its whole cap (``mass`` >= 1, one cap):
+    that set comes in no order, since attention does not depend on it and sorting it cost
+    more than choosing it.
     """
     probs = scores.softmax(-1).mean(2).nan_to_num(0.0)  # (b, h, n); a row with nothing to fetch is 0
     rank = probs if resident is None else probs + 2 * resident  # residents above any weight: first
-    top = rank.topk(min(max(cap), probs.shape[-1]), dim=-1)
+    k = min(max(cap), probs.shape[-1])
+    if mass >= 1 and min(cap) >= k:  # every row takes its top k: the set, in no order (no sort at all)
+        top = rank.topk(k, dim=-1, sorted=False)
+        return top.indices, top.values > 0
+    top = rank.topk(k, dim=-1)
     counts = torch.tensor(cap, device=scores.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
-    k = top.indices.shape[-1]
     if mass < 1:
         weights = probs.gather(-1, top.indices)
         before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
         counts = torch.minimum((before < mass).sum(-1), counts).clamp(min=1)  # (b, h)
-        k = int(counts.max())  # the one host read: the size of the copy between tiers
-    fetch = (torch.arange(k, device=scores.device) < counts[..., None]) & (top.values[..., :k] > 0)
-    rows, order = top.indices[..., :k].sort(-1)
+    fetch = (torch.arange(k, device=scores.device) < counts[..., None]) & (top.values > 0)
+    rows, order = top.indices.sort(-1)
     return rows, fetch.gather(-1, order)

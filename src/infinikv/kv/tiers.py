@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from .slots import Slots, expand_to
+from .slots import Slots
 
 
 def slow_tier(model: torch.nn.Module) -> torch.device | None:
@@ -55,6 +55,17 @@ def start_transfer(copy: Callable[[], None], overlap: bool, device: torch.device
     return Transfer(event=event)
 
 
+def take_rows(store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``store`` (b, h, S, d) at slot indices ``rows`` (b, h, k): (b, h, k, d).
+
+    One ``index_select`` of whole d-wide rows of the flattened store: a copy per row, where a
+    ``gather`` over an index expanded to (b, h, k, d) reads an index per element (8x slower here:
+    417 against 52 us for 1,639 rows of 3 heads at 16k, 2 cores)."""
+    b, h, size, d = store.shape
+    heads = torch.arange(b * h, device=rows.device).view(b, h, 1) * size
+    return store.reshape(b * h * size, d).index_select(0, (rows + heads).view(-1)).view(b, h, -1, d)
+
+
 class FastTier:
     """The fast-tier buffers of one layer: the fetched rows, then room for the new tokens."""
 
@@ -83,8 +94,8 @@ class FastTier:
                 self.keys[:, :, :count].copy_(keys[:, :, :count], non_blocking=True)
                 self.values[:, :, :count].copy_(values[:, :, :count], non_blocking=True)
             else:
-                self.keys[:, :, :count].copy_(keys.gather(2, expand_to(slow_rows, keys)), non_blocking=True)
-                self.values[:, :, :count].copy_(values.gather(2, expand_to(slow_rows, values)), non_blocking=True)
+                self.keys[:, :, :count].copy_(take_rows(keys, slow_rows), non_blocking=True)
+                self.values[:, :, :count].copy_(take_rows(values, slow_rows), non_blocking=True)
 
         return start_transfer(copy, overlap, device)
 
