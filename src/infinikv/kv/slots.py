@@ -272,11 +272,13 @@ def put(store: torch.Tensor, where: torch.Tensor | slice, new: torch.Tensor | fl
         new = new.to(store.device)
     if isinstance(where, slice):
         store[:, :, where] = new
-    else:  # an index_put, which inductor does in place (a scatter_ it would do on a copy of the store)
-        b, h, _ = where.shape
+    elif torch.compiler.is_compiling():  # an index_put, which inductor does in place: a scatter_
+        b, h, _ = where.shape  # it does on a copy of the whole store (every step, every layer)
         rows = torch.arange(b, device=store.device)[:, None, None]
         heads = torch.arange(h, device=store.device)[None, :, None]
         store[rows, heads, where.to(store.device)] = new
+    else:  # eagerly a scatter_ is the cheaper (4 against 12 us a write here)
+        store.scatter_(2, expand_to(where.to(store.device), store), new)
 
 
 def expand_to(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
