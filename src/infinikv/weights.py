@@ -1,7 +1,8 @@
 """Weight formats: how a loaded model stores its weights, and the kernels that read them.
 
 ``fp32`` keeps the model as loaded. ``bf16``, ``int8`` and ``int4`` replace every ``nn.Linear``
-(the LM head included) by a :class:`PackedLinear` holding its weight in that format, and the
+(the LM head included) by a :class:`PackedLinear` holding its weight in that format (a gated
+MLP's gate and up stacked into one: :class:`GatedMLP`), and the
 input embedding by a :class:`PackedEmbedding` (bf16 or int8 rows); the fp32 weights (and the
 loaded file's memory map) are released once every module is packed. Activations, norms, biases
 and so the K/V stay in the model's dtype: a policy sees the same kind of keys whatever the
@@ -191,7 +192,9 @@ def fuse_gated_mlps(model: nn.Module) -> int:
             if not all(isinstance(parts[p], PackedLinear) for p in ("gate_proj", "up_proj", "down_proj")):
                 continue
             candidate = GatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
-            probe = torch.randn(2, mlp.gate_proj.in_features, device=mlp.gate_proj.weight.device)
+            device = mlp.gate_proj.weight.device  # a generator of its own: loading draws nothing from the global one
+            generator = torch.Generator(device).manual_seed(0)
+            probe = torch.randn(2, mlp.gate_proj.in_features, device=device, generator=generator)
             with torch.inference_mode():
                 same = torch.allclose(candidate(probe), mlp(probe), rtol=1e-3, atol=1e-4)
             if same:
@@ -234,7 +237,8 @@ def pack_weights(model: nn.Module, fmt: str) -> nn.Module:
     smaller copies in place of one fp32 table), and under ``int4`` it is kept in int8: it is the
     matrix the GGUFs keep at more bits (SmolLM2's Q4_1 file holds its decoder weights on a 16-level
     grid per 32 values, which int4 reproduces, but its tied embedding at ~29 levels: int4 moved
-    that table by 9.7% of its mean magnitude). Every other ``nn.Linear`` is packed as ``fmt``.
+    that table by 9.7% of its mean magnitude). Every other ``nn.Linear`` is packed as ``fmt``,
+    and then each gated MLP's gate and up projections are stacked into one (``fuse_gated_mlps``).
     """
     check_format(fmt, next(model.parameters()).device)
     if fmt == DEFAULT_FORMAT:
