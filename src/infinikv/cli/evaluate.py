@@ -60,13 +60,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
         f"P-needle: {args.needles} pass keys in {args.context} tokens of {args.text}; results -> {out}", file=sys.stderr
     )
     params = {"text": args.text, "context": args.context, "needles": args.needles, "seed": args.seed}
-    rows = run_cells(
-        args,
-        policy_cells(args, "P-needle", policies, params),
-        out,
-        model,
-        tokenizer,
-    )
+    rows = run_cells(args, policy_cells(args, "P-needle", policies, params), out, model, tokenizer)
     print(json.dumps(rows, indent=2) if args.json else f"{needle_table(rows)}\n\n{needle_found(rows)}".rstrip())
     return 0
 
@@ -127,13 +121,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
     out = results_file(args, "stream")
     print(f"P-stream: {args.tokens} tokens of {args.text} in chunks of {args.chunk}; results -> {out}", file=sys.stderr)
     params = {"text": args.text, "tokens": args.tokens, "chunk": args.chunk, "window": args.window}
-    rows = run_cells(
-        args,
-        policy_cells(args, "P-stream", policies, params),
-        out,
-        model,
-        tokenizer,
-    )
+    rows = run_cells(args, policy_cells(args, "P-stream", policies, params), out, model, tokenizer)
     if args.plot:
         trained = getattr(model.config, "max_position_embeddings", None)
         print(f"plot -> {plot(rows, Path(args.plot), trained)}", file=sys.stderr)
@@ -167,13 +155,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
     out = results_file(args, "recall")
     print(f"recall on {args.text} at {args.context} tokens, {args.steps} decode steps -> {out}", file=sys.stderr)
     params = {"text": args.text, "context": args.context, "steps": args.steps}
-    rows = run_cells(
-        args,
-        policy_cells(args, "recall", policies, params),
-        out,
-        model,
-        tokenizer,
-    )
+    rows = run_cells(args, policy_cells(args, "recall", policies, params), out, model, tokenizer)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
