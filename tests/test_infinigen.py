@@ -85,18 +85,19 @@ def test_mass_rule_never_fetches_unfetchable_tokens():
     assert 1 not in rows[fetch].tolist() and int(fetch.sum()) == 2
 
 
-@pytest.mark.parametrize("with_resident", [False, True])
-def test_taking_the_cap_picks_the_sorted_top_k_set(with_resident):
+@pytest.mark.parametrize("resident", ["none", "mask", "first_and_last"])
+def test_taking_the_cap_picks_the_sorted_top_k_set(resident):
     """The unranked top-k of the cap rule (``mass`` 1) against a full sort of the same weights, on
     logits with no ties (a tie at the k-th weight could go either way): the same set of rows, and
-    only unfetchable tokens left out."""
+    only unfetchable tokens left out; residents given as a mask or as the first and last slots."""
     torch.manual_seed(0)
     scores = torch.randn(2, 3, 2, 500) * 4
     scores[:, :, :, 7] = -math.inf  # never fetched
-    resident = (torch.arange(500) < 4) | (torch.arange(500) >= 490) if with_resident else None
-    rows, fetch = select_by_mass(scores, 1.0, [60, 60], resident)
+    mask = (torch.arange(500) < 4) | (torch.arange(500) >= 490)
+    given = {"none": None, "mask": mask, "first_and_last": (4, 10)}[resident]
+    rows, fetch = select_by_mass(scores, 1.0, [60, 60], given)
     probs = scores.softmax(-1).mean(2)
-    rank = probs if resident is None else probs + 2 * resident
+    rank = probs if given is None else probs + 2 * mask
     expected = rank.argsort(-1, descending=True)[..., :60].sort(-1).values
     assert torch.equal(rows.sort(-1).values, expected) and bool(fetch.all())
     few = scores.clone()
@@ -104,6 +105,28 @@ def test_taking_the_cap_picks_the_sorted_top_k_set(with_resident):
     rows, fetch = select_by_mass(few, 1.0, [60, 60])
     assert rows.shape[-1] == 60 and (fetch.sum(-1) == 49).all()
     assert bool((rows[fetch] < 50).all()) and not bool((rows[fetch] == 7).any())
+
+
+def test_residents_as_first_and_last_slots_count_once_when_they_overlap():
+    """Fewer tokens than ``first + recent``: every token is resident once, as with the mask (a
+    token counted twice would outrank the others)."""
+    torch.manual_seed(0)
+    scores = torch.randn(1, 3, 3, 17)
+    slot = torch.arange(17)
+    for first, recent in ((4, 32), (4, 5), (0, 3), (3, 0)):
+        rows, _ = select_by_mass(scores, 1.0, [2], (first, recent), masked=False)
+        expected, _ = select_by_mass(scores, 1.0, [2], (slot < first) | (slot >= 17 - recent))
+        assert torch.equal(rows.sort(-1).values, expected.sort(-1).values), (first, recent)
+
+
+def test_with_nothing_masked_every_row_counts_even_a_weight_that_rounds_to_zero():
+    scores = torch.tensor([0.0, -200.0, -1.0, -2.0]).view(1, 1, 1, 4)  # token 1's weight underflows to 0
+    rows, fetch = select_by_mass(scores, 1.0, [4], masked=False)
+    assert sorted(rows[0, 0].tolist()) == [0, 1, 2, 3] and fetch is None
+    rows, fetch = select_by_mass(scores, 1.0, [4])  # masked: fetchable tokens count, whatever their weight
+    assert bool(fetch.all())
+    rows, fetch = select_by_mass(scores, 1.0, [3], masked=False)  # the cap: token 1 is the one left out
+    assert sorted(rows[0, 0].tolist()) == [0, 2, 3]
 
 
 def test_the_mass_rule_copies_its_cap_and_masks_what_it_does_not_want():
@@ -191,17 +214,17 @@ def test_ledger_bytes_are_tokens_times_bytes_per_token(real, emma_ids):
     for layer in cache.layers[2:]:
         stats = layer.stats
         assert stats.fetch_steps == [10]
-        fetched = float(stats.fetched[0]) / 10  # tokens per KV head and step
+        fetched = stats.totals()["fetched"][0] / 10  # tokens per KV head and step
         assert 1 <= fetched <= math.ceil(0.2 * 160)
     assert all(1 < c <= math.ceil(0.2 * 160) + 1 for c in counts)  # fetched rows + the current token
     assert cache.layers[0].stats.fetch_steps == [0]  # dense layers fetch nothing
     summary = cache.transfer_summary()
     assert 0 < summary["fetched_fraction"] <= 0.2
-    tokens = sum(float(layer.stats.fetched[0]) / 10 for layer in cache.layers[2:])
+    tokens = sum(layer.stats.totals()["fetched"][0] / 10 for layer in cache.layers[2:])
     assert summary["tokens_fetched_per_step"] == pytest.approx(tokens)
     assert summary["bytes_moved_per_step"] == pytest.approx(tokens * per_token)
     counts_per_layer, _ = cache.attended()
-    assert counts_per_layer[5] == pytest.approx(float(cache.layers[5].stats.fetched[0]) / 10 + 1)
+    assert counts_per_layer[5] == pytest.approx(cache.layers[5].stats.totals()["fetched"][0] / 10 + 1)
 
 
 @torch.inference_mode()

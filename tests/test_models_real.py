@@ -30,7 +30,7 @@ def test_bundled_model_fetches_converts_and_answers(name, model_type, answer):
 # quant at 8 bits rounds every K/V value: its max logit error, teacher-forced over 32 tokens
 # after the prompt, measured: Gemma 3 0.41, SmolLM2 0.23, Qwen2.5 1.08 (Qwen's keys have
 # outlier channels from their biases, which a per-token group of 64 quantizes coarsely)
-NEW = 16  # greedy tokens compared, after a prompt past Gemma 3's 512-token window (300 tokens elsewhere)
+NEW = 8  # greedy tokens compared, after a prompt past Gemma 3's 512-token window (300 tokens elsewhere)
 QUANT_TOLERANCE = {"gemma3-270m": 0.6, "smollm2-135m": 0.5, "qwen2.5-coder-0.5b": 1.5}
 
 
@@ -39,7 +39,7 @@ QUANT_TOLERANCE = {"gemma3-270m": 0.6, "smollm2-135m": 0.5, "qwen2.5-coder-0.5b"
 @torch.inference_mode()
 def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
     """Every policy at a budget covering every token against transformers' own cache for the
-    model (a 300-token prompt; on Gemma 3 520, past its 512-token sliding window): 16 greedy tokens
+    model (a 300-token prompt; on Gemma 3 520, past its 512-token sliding window): 8 greedy tokens
     identical, all policies decoding together in one forward per step (the server's mixed-policy
     batching); quant (lossy by design) teacher-forced within its tolerance."""
     from transformers import DynamicCache

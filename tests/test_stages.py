@@ -11,7 +11,8 @@ from infinikv import Batch, make_policy
 from infinikv.cache import Evictor, KVLayer, Selection, TwoTier, join, keep
 from infinikv.cache.stats import Clock, Stats
 from infinikv.contract import Budget
-from infinikv.kv.slots import Slots
+from infinikv.kv.slots import Slots, StateSpec, is_slot_last, put
+from infinikv.kv.tiers import FastTier
 from infinikv.policies.rules import HeavyHitter, SinkRecent
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -37,17 +38,20 @@ def test_stats_count_per_row_and_follow_rows():
     stats.attend([4, 6], [8, 12])
     stats.attend([4, 6], [8, 12])
     assert stats.steps == [2, 2] and stats.keys == [8, 12] and stats.fraction == [1.0, 1.0]
-    stats.fetch(torch.tensor([2.0, 3.0]), [4, 6], [8, 12])
-    assert stats.fetch_steps == [1, 1] and stats.fetched.tolist() == [2.0, 3.0]
-    assert stats.fetched_fraction.tolist() == [0.5, 0.5]
-    assert stats.attended_fraction.tolist() == pytest.approx([3 / 8, 4 / 12])
+    stats.fetch(torch.tensor([2.0, 3.0]), [4, 6], [8, 12])  # counted on the device
+    stats.fetch([1.0, 1.0], [4, 6], [8, 12], beside=[2, 3])  # known on the host
+    totals = stats.totals()
+    assert stats.fetch_steps == [2, 2] and totals["fetched"] == [3.0, 4.0]
+    assert totals["fetched_fraction"] == pytest.approx([0.5 + 1 / 4, 0.5 + 1 / 6])
+    assert totals["attended"] == pytest.approx([3.0 + 3.0, 4.0 + 4.0])
+    assert totals["attended_fraction"] == pytest.approx([3 / 8 + 3 / 8, 4 / 12 + 4 / 12])
     other = Stats()
     other.rows(1)
     other.hold([9])
     stats.extend(other)
-    assert stats.peak == [5, 6, 9] and stats.fetched.tolist() == [2.0, 3.0, 0.0]
+    assert stats.peak == [5, 6, 9] and stats.totals()["fetched"] == [3.0, 4.0, 0.0]
     stats.select([2, 0])
-    assert stats.peak == [9, 5] and stats.fetched.tolist() == [0.0, 2.0]
+    assert stats.peak == [9, 5] and stats.totals()["fetched"] == [0.0, 3.0]
 
 
 def test_evictor_plans_each_rows_excess_on_the_host():
@@ -76,6 +80,46 @@ def test_a_fixed_evictor_settles_its_capacity_once_and_a_static_one_decides_on_t
     assert eviction.count == 1 and eviction.on_device  # one victim, dropped where the device finds the row over
 
 
+def test_a_slot_last_state_keeps_its_layout_and_its_values():
+    """A state stored slot-last (partial keys, read by one product over every slot) stays so when
+    the storage grows, when rows join or are kept, and holds what was written."""
+
+    def with_partial() -> Slots:
+        slots = Slots()
+        slots.add_state("partial", StateSpec(torch.float32, (3,), slot_last=True))
+        return slots
+
+    def write(slots: Slots, q: int) -> torch.Tensor:
+        kv, position = torch.randn(1, 2, q, 4), torch.zeros(1, q, dtype=torch.long)
+        new = torch.randn(1, 2, q, 3)
+        where = slots.write(slots.plan(q, [q]), kv, kv, position, None)
+        put(slots.state["partial"], where, new)
+        return new
+
+    slots = with_partial()
+    written = [write(slots, q) for q in (5, 20, 1)]  # the second write grows the storage
+    partial = slots.state["partial"]
+    assert is_slot_last(partial) and partial.stride(2) == 1 and slots.allocated >= 26
+    assert torch.equal(partial[:, :, :26], torch.cat(written, 2))
+    other = with_partial()
+    write(other, 3)
+    for change, rows in ((lambda: slots.append_rows(other), slice(0, 1)), (lambda: slots.keep_rows([0]), slice(None))):
+        change()
+        partial = slots.state["partial"]
+        assert is_slot_last(partial) and torch.equal(partial[rows, :, :26], torch.cat(written, 2))
+
+
+def test_the_fast_tier_takes_the_chosen_rows_then_the_new_tokens():
+    slots = filled(2, 10, heads=3)
+    rows = torch.randint(0, 10, (2, 3, 4))
+    fast = FastTier()
+    fast.fetch(slots, rows, 4, False, torch.device("cpu"), room=1)
+    new = torch.randn(2, 3, 1, 4)
+    keys, values = fast.with_new(4, new, new)
+    expected = slots.keys.gather(2, rows[..., None].expand(-1, -1, -1, 4))
+    assert torch.equal(keys, torch.cat([expected, new], 2)) and torch.equal(values, keys)
+
+
 class Every(Selection):
     """Chooses slots 0 and 2 of every row and head; slot 2 counts only in row 0."""
 
@@ -94,8 +138,8 @@ def test_two_tiers_copy_the_chosen_rows_and_mask_the_rest():
     assert tiers.visibility()[:, 0, 0].tolist() == [[True, True, True], [True, False, True]]  # + the new token
     tiers.done()
     assert not tiers.started
-    every = TwoTier(Selection()).start(slots, None, 4, [4, 3], overlap=False)  # fetch all: row 1 has a hole
-    assert every.tolist() == [4.0, 3.0]
+    every = TwoTier(Selection()).start(slots, None, None, [4, 3], 4, overlap=False)  # fetch all: row 1 has a hole
+    assert every == [4.0, 3.0]
 
 
 @torch.inference_mode()

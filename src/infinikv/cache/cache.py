@@ -93,7 +93,8 @@ class KVCache(Cache):
             s = layer.stats
             picked = rows if rows is not None else range(len(s.steps))
             if any(s.fetch_steps):
-                keys, fraction, n = s.attended.tolist(), s.attended_fraction.tolist(), s.fetch_steps
+                totals, n = s.totals(), s.fetch_steps
+                keys, fraction = totals["attended"], totals["attended_fraction"]
                 counts.append(sum(keys[r] / max(n[r], 1) for r in picked) / len(picked))
                 fractions.append(sum(fraction[r] / max(n[r], 1) for r in picked) / len(picked))
                 continue
@@ -114,9 +115,9 @@ class KVCache(Cache):
         tokens, fractions, moved = [], [], 0.0
         for layer in layers:
             s = layer.stats
-            steps = torch.tensor(s.fetch_steps, device=s.fetched.device).clamp(min=1)
-            per_row = (s.fetched / steps).tolist()
-            ratio = (s.fetched_fraction / steps).tolist()
+            totals, steps = s.totals(), [max(n, 1) for n in s.fetch_steps]
+            per_row = [f / n for f, n in zip(totals["fetched"], steps, strict=True)]
+            ratio = [f / n for f, n in zip(totals["fetched_fraction"], steps, strict=True)]
             picked = rows if rows is not None else range(len(per_row))
             tokens.append(sum(per_row[r] for r in picked) / len(picked))
             fractions.append(sum(ratio[r] for r in picked) / len(picked))

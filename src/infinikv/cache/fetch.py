@@ -81,28 +81,35 @@ class TwoTier:
         chosen = self.selection.choose(slots, x, rope, positions, stored, held)
         clock.stop("speculate", started)
         started = clock.start()  # the copy, when it is not overlapped, counts as fetching
-        rows, take = chosen if chosen is not None else (None, stored)
-        per_row = self.start(slots, rows, take, held, self.selection.overlap)
+        rows, fetch = chosen if chosen is not None else (None, None)
+        per_row = self.start(slots, rows, fetch, held, stored, self.selection.overlap)
         clock.stop("fetch", started)
         return per_row
 
     def start(
-        self, slots: Slots, rows: torch.Tensor | None, take: torch.Tensor | int | None, held: list[int], overlap: bool
-    ) -> torch.Tensor:
-        """Copy ``rows`` (b, h, k) (None: the first ``take`` slots) to the fast tier; returns the
-        tokens fetched per row (b,). Which fetched rows are valid is read now, before this step's
-        token is written (it may land in an empty slot that is being copied)."""
+        self,
+        slots: Slots,
+        rows: torch.Tensor | None,
+        fetch: torch.Tensor | None,
+        held: list[int],
+        stored: int,
+        overlap: bool,
+    ) -> torch.Tensor | list[float]:
+        """Copy ``rows`` (b, h, k) (None: the first ``stored`` slots) to the fast tier, where
+        ``fetch`` (b, h, k) (None: all) says which of them count; returns the tokens fetched per
+        row (b,), on the host when every fetched row holds a token (``held[r]`` of the ``stored``
+        slots do). Which fetched rows are valid is read now, before this step's token is written
+        (it may land in an empty slot that is being copied)."""
         valid = slots.state["valid"]
+        every_slot = all(h == stored for h in held)
         if rows is None:
-            count = take
-            visible = None if all(h == count for h in held) else valid[:, :, :count].clone()
-            per_row = torch.tensor(held, dtype=torch.float32, device=valid.device)
+            count, visible = stored, None if every_slot else valid[:, :, :stored].clone()
+            per_row = [float(h) for h in held]
         else:
-            count = rows.shape[-1]
-            visible = valid.gather(2, rows)
-            if take is not None:
-                visible &= take
-            per_row = visible.sum(-1).float().mean(-1)
+            count, visible = rows.shape[-1], None
+            if fetch is not None or not every_slot:
+                visible = valid.gather(2, rows) if fetch is None else valid.gather(2, rows) & fetch
+            per_row = [float(count)] * len(held) if visible is None else visible.sum(-1).float().mean(-1)
         self.transfer = self.fast.fetch(slots, rows, count, overlap, valid.device, self.room)
         self.fetched = (rows, visible, count)
         return per_row

@@ -161,7 +161,7 @@ class KVLayer(CacheLayerMixin):
         if plan.fetch:
             if not self.tiers.started:  # nothing ran ahead of this layer: fetch everything now
                 self.stats.fetch(
-                    self.tiers.start(self.slots, None, self.stored, self.held_before, False), *self.counts()
+                    self.tiers.start(self.slots, None, None, self.held_before, self.stored, False), *self.counts()
                 )
             self.tiers.wait(self.clock)
         where = self.slots.write(plan.write, key_states, value_states, self.positions, self.new_real)

@@ -62,7 +62,7 @@ class RecallLayer(KVLayer):
         self.is_initialized = True
         if plan.fetch:
             if not self.tiers.started:  # nothing ran ahead of this layer: fetch the whole pool
-                per_row = self.tiers.start(self.pool, None, self.pool_stored, self.pool_held, False)
+                per_row = self.tiers.start(self.pool, None, None, self.pool_held, self.pool_stored, False)
                 self.stats.fetch(per_row, self.pool_held, self.seen, self.fast_attended)
             self.tiers.wait(self.clock)
         where = self.slots.write(plan.write, key_states, value_states, self.positions, self.new_real)

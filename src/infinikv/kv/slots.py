@@ -34,12 +34,15 @@ class Write:
 @dataclass(frozen=True)
 class StateSpec:
     """A per-slot state a policy adds: its dtype, trailing shape, the value a new token's slot gets,
-    and whether it lives with the K/V (``True``) or on the compute device (a fast tier)."""
+    whether it lives with the K/V (``True``) or on the compute device (a fast tier), and whether
+    it is stored ``slot_last``: a (b, h, c, S) tensor seen as (b, h, S, c), so that a product with
+    every slot (one query against all partial keys) reads it row by row."""
 
     dtype: torch.dtype
     shape: tuple[int, ...] = ()
     initial: float = 0.0
     with_kv: bool = True
+    slot_last: bool = False
 
 
 class Slots:
@@ -90,7 +93,9 @@ class Slots:
         }
         for name, spec in self.specs.items():
             where = device if spec.with_kv else key_states.device
-            self.state[name] = torch.full((b, h, size, *spec.shape), spec.initial, dtype=spec.dtype, device=where)
+            shape = (b, h, *spec.shape, size) if spec.slot_last else (b, h, size, *spec.shape)
+            state = torch.full(shape, spec.initial, dtype=spec.dtype, device=where)
+            self.state[name] = state.movedim(-1, 2) if spec.slot_last else state
         if self.home is not None and self.home.type == "cpu" and key_states.device.type == "cuda":
             self.keys, self.values = self.keys.pin_memory(), self.values.pin_memory()
         if not self.held:
@@ -132,7 +137,7 @@ class Slots:
         keep = min(size, self.allocated)
 
         def resized(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros(*t.shape[:2], size, *t.shape[3:])
+            out = zeros_like_slots(t, size)
             if t.is_pinned():  # a slow tier stays pinned, so copies to the GPU stay asynchronous
                 out = out.pin_memory()
             out[:, :, :keep] = t[:, :, :keep]
@@ -228,7 +233,7 @@ class Slots:
             size = max(size, self.size)
         mine = [pad_slots(t, size) for t in self.tensors()]
         theirs = [pad_slots(t, size) for t in other.tensors()]
-        joined = [torch.cat([a, b]) for a, b in zip(mine, theirs, strict=True)]
+        joined = [in_layout(torch.cat([a, b]), a) for a, b in zip(mine, theirs, strict=True)]
         self.keys, self.values = joined[0], joined[1]
         self.state = dict(zip(self.state, joined[2:], strict=True))
         self.n, self.held = max(self.n, other.n), self.held + other.held
@@ -240,7 +245,7 @@ class Slots:
         index = torch.tensor(rows, dtype=torch.long, device=self.state["valid"].device)
         self.keys = self.keys.index_select(0, index.to(self.keys.device))
         self.values = self.values.index_select(0, index.to(self.values.device))
-        self.state = {k: t.index_select(0, index.to(t.device)) for k, t in self.state.items()}
+        self.state = {k: in_layout(t.index_select(0, index.to(t.device)), t) for k, t in self.state.items()}
         self.held = [self.held[r] for r in rows]
 
     # -- bytes -------------------------------------------------------------------------------
@@ -289,6 +294,25 @@ def expand_to(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def pad_slots(t: torch.Tensor, size: int) -> torch.Tensor:
     if t.shape[2] >= size:
         return t
-    out = t.new_zeros(*t.shape[:2], size, *t.shape[3:])
+    out = zeros_like_slots(t, size)
     out[:, :, : t.shape[2]] = t
     return out
+
+
+def is_slot_last(t: torch.Tensor) -> bool:
+    """Whether per-slot state ``t`` (b, h, S, c) is stored slot-last (``StateSpec.slot_last``)."""
+    return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
+
+
+def zeros_like_slots(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Zeros shaped like per-slot ``t`` (b, h, S, ...) with ``size`` slots, stored as t is."""
+    if is_slot_last(t):
+        return t.new_zeros(*t.shape[:2], t.shape[3], size).movedim(-1, 2)
+    return t.new_zeros(*t.shape[:2], size, *t.shape[3:])
+
+
+def in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``, stored as per-slot ``like`` is (a copy when a product of rows lost the layout)."""
+    if is_slot_last(like) and not is_slot_last(t):
+        return t.movedim(2, -1).contiguous().movedim(-1, 2)
+    return t

@@ -120,33 +120,51 @@ def select_tokens(
 
 
 def select_by_mass(
-    scores: torch.Tensor, mass: float, cap: list[int], resident: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    scores: torch.Tensor,
+    mass: float,
+    cap: list[int],
+    resident: torch.Tensor | tuple[int, int] | None = None,
+    masked: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fewest tokens per KV head whose speculated attention mass reaches ``mass``.
 
     scores (b, h, g, n) approximate logits of the newest query, -inf where a token must not be
-    fetched; the group's softmax weights are averaged over its g query heads (what the KV head
-    serves). ``cap`` (one int per sequence, known on the host) caps its count; ``mass`` >= 1
-    takes the cap. ``resident`` (b, h, n), or (n,) for every row, marks tokens always taken
-    (they come first; their mass counts). Returns ``(rows, fetch)``, both (b, h, k), k the
-    largest cap in the batch (known on the host: the copy between tiers has a fixed size and no
-    step waits for the device to size it); ``fetch`` is False past a head's own count. The rows
-    come in slot order, except where every row takes its whole cap (``mass`` >= 1, one cap):
-    that set comes in no order, since attention does not depend on it and sorting it cost
-    more than choosing it.
+    fetched (``masked`` False: none is); the group's softmax weights are averaged over its g query
+    heads (what the KV head serves). ``cap`` (one int per sequence, known on the host) caps its
+    count; ``mass`` >= 1 takes the cap. ``resident`` marks tokens always taken (they come first;
+    their mass counts): (b, h, n), (n,) for every row, or ``(first, recent)``: the first and the
+    last slots of every row (slots in token order). Returns ``(rows, fetch)``, both (b, h, k), k
+    the largest cap in the batch (known on the host: the copy between tiers has a fixed size and no
+    step waits for the device to size it); ``fetch`` is False past a head's own count and for
+    unfetchable tokens, or None when every row counts. A token whose weight rounds to 0 still
+    counts. The rows come in slot order, except where every row takes its whole cap (``mass``
+    >= 1, one cap): that set comes in no order, since attention does not depend on it and
+    sorting it cost more than choosing it.
     """
-    probs = scores.softmax(-1).mean(2).nan_to_num(0.0)  # (b, h, n); a row with nothing to fetch is 0
-    rank = probs if resident is None else probs + 2 * resident  # residents above any weight: first
+    probs = scores.softmax(-1).mean(2)  # (b, h, n)
+    fetchable = None
+    if masked:
+        probs = probs.nan_to_num(0.0)  # a row with nothing to fetch is 0
+        fetchable = scores.amax(2) > -math.inf  # (b, h, n)
+    if isinstance(resident, tuple):  # residents above any weight: first (two slices, in place)
+        first, recent = resident
+        rank = probs if mass >= 1 else probs.clone()  # the mass rule still reads the weights
+        rank[..., :first] += 2
+        rank[..., max(first, rank.shape[-1] - recent) :] += 2  # each resident once
+    else:
+        rank = probs if resident is None else probs + 2 * resident
     k = min(max(cap), probs.shape[-1])
     if mass >= 1 and min(cap) >= k:  # every row takes its top k: the set, in no order (no sort at all)
-        top = rank.topk(k, dim=-1, sorted=False)
-        return top.indices, top.values > 0
+        rows = rank.topk(k, dim=-1, sorted=False).indices
+        return rows, None if fetchable is None else fetchable.gather(-1, rows)
     top = rank.topk(k, dim=-1)
     counts = torch.tensor(cap, device=scores.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
     if mass < 1:
         weights = probs.gather(-1, top.indices)
         before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
         counts = torch.minimum((before < mass).sum(-1), counts).clamp(min=1)  # (b, h)
-    fetch = (torch.arange(k, device=scores.device) < counts[..., None]) & (top.values > 0)
+    fetch = torch.arange(k, device=scores.device) < counts[..., None]
+    if fetchable is not None:
+        fetch = fetch & fetchable.gather(-1, top.indices)
     rows, order = top.indices.sort(-1)
     return rows, fetch.gather(-1, order)

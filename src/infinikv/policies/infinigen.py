@@ -76,7 +76,7 @@ class Speculation(Selection):
         self.columns, self.weight, self.bias, self.rotary = columns, weight, bias, rotary
         self.rule, self.scaling, self.pooled, self.ahead = rule, scaling, pooled, ahead
         self.frequencies, self.norm = frequencies, norm
-        self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False)}
+        self.specs = {"partial": StateSpec(weight.dtype, (columns.shape[-1],), with_kv=False, slot_last=True)}
         if pooled:  # what the bounded pool's eviction rules read
             history = StateSpec(torch.float32, with_kv=False)  # read with the speculation, on the fast tier
             self.specs |= {"fetches": history, "last_fetch": history}
@@ -90,7 +90,7 @@ class Speculation(Selection):
 
     def choose(
         self, slots: Slots, x: torch.Tensor, rope: Any, positions: torch.Tensor, stored: int, held: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rule = self.rule
         pq = self.query(x, rope, positions)
         partial = slots.state["partial"][:, :, :stored]
@@ -104,11 +104,13 @@ class Speculation(Selection):
         if "alpha" in rule:
             rows, fetch = select_tokens(scores, rule["alpha"], torch.tensor(cap, device=scores.device))
         else:
-            rows, fetch = select_by_mass(scores, rule["mass"], cap, self.resident(slots, valid, stored, ordered))
+            resident = self.resident(slots, valid, ordered)
+            rows, fetch = select_by_mass(scores, rule["mass"], cap, resident, masked=not every_slot)
         if self.pooled:  # the bounded pool's eviction needs the fetch history
             self.steps += 1
-            slots.state["fetches"].scatter_add_(2, rows, fetch.float())
-            slots.state["last_fetch"].scatter_reduce_(2, rows, torch.where(fetch, float(self.steps), 0.0), "amax")
+            fetched = torch.ones_like(rows, dtype=torch.bool) if fetch is None else fetch
+            slots.state["fetches"].scatter_add_(2, rows, fetched.float())
+            slots.state["last_fetch"].scatter_reduce_(2, rows, torch.where(fetched, float(self.steps), 0.0), "amax")
         return rows, fetch
 
     def query(self, x: torch.Tensor, rope: Any, positions: torch.Tensor) -> torch.Tensor:
@@ -122,17 +124,17 @@ class Speculation(Selection):
             cos, sin = rope[0][:, :, self.columns], rope[1][:, :, self.columns]  # (b, q, h, c)
         return partial_query(x, self.weight, self.bias, cos, sin, self.norm)
 
-    def resident(self, slots: Slots, valid: torch.Tensor, stored: int, ordered: bool) -> torch.Tensor | None:
-        """The first ``keep_first`` and the newest ``keep_recent`` tokens held: (stored,) when the
-        slots hold every token in order (``ordered``), else (b, h, stored) from their positions.
-        Nearly every step attends to them, so they are always fetched."""
+    def resident(self, slots: Slots, valid: torch.Tensor, ordered: bool) -> torch.Tensor | tuple[int, int] | None:
+        """The first ``keep_first`` and the newest ``keep_recent`` tokens held, among the slots
+        ``valid`` (b, h, n) covers: ``(first, recent)``, the first and last slots, when the slots
+        hold every token in order (``ordered``), else (b, h, n) from their positions. Nearly
+        every step attends to them, so they are always fetched."""
         first, recent = int(self.rule.get("keep_first", 0)), int(self.rule.get("keep_recent", 0))
         if not first and not recent:
             return None
         if ordered:
-            slot = torch.arange(stored, device=valid.device)
-            return (slot < first) | (slot >= stored - recent)
-        position = slots.state["position"][:, :, :stored]
+            return first, recent
+        position = slots.state["position"][:, :, : valid.shape[-1]]
         newest = position.masked_fill(~valid, -1).amax(-1, keepdim=True)
         return valid & ((position < first) | (position > newest - recent))
 
