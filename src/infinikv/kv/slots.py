@@ -312,7 +312,7 @@ def zeros_like_slots(t: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t``, stored as per-slot ``like`` is (a copy when a product of rows lost the layout)."""
+    """``t``, stored as per-slot ``like`` is (a copy where joining or selecting rows lost the layout)."""
     if is_slot_last(like) and not is_slot_last(t):
         return t.movedim(2, -1).contiguous().movedim(-1, 2)
     return t
