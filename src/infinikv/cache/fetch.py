@@ -107,8 +107,10 @@ class TwoTier:
             per_row = [float(h) for h in held]
         else:
             count, visible = rows.shape[-1], None
-            if fetch is not None or not every_slot:
-                visible = valid.gather(2, rows) if fetch is None else valid.gather(2, rows) & fetch
+            if not every_slot:
+                visible = valid.gather(2, rows)
+            if fetch is not None:
+                visible = fetch if visible is None else visible & fetch
             per_row = [float(count)] * len(held) if visible is None else visible.sum(-1).float().mean(-1)
         self.transfer = self.fast.fetch(slots, rows, count, overlap, valid.device, self.room)
         self.fetched = (rows, visible, count)
