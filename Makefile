@@ -33,11 +33,15 @@ $(HOME_DIR)/models/smollm2-135m/config.json: | $(STAMP)
 $(HOME_DIR)/data/austen/all.txt: | $(STAMP)
 	$(BIN)/infinikv data fetch
 
+# The native CPU kernels are built for this machine's CPU (a no-op once built: a new CPU gets its own build).
 setup: $(STAMP) $(HOME_DIR)/models/smollm2-135m/config.json $(HOME_DIR)/data/austen/all.txt
+	$(BIN)/python -m infinikv.native
 
 setup-dev: setup $(DEV_STAMP)
 
+# The demo's decode step is compiled once per machine (`prepare --compile`: a no-op once built).
 demo: setup
+	$(BIN)/infinikv prepare --compile --quiet
 	$(BIN)/infinikv generate --chat --max-new-tokens 160 --temperature 0.7 --top-p 0.9 --seed 0 \
 		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

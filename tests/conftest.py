@@ -29,9 +29,9 @@ def seeded():
 
 @pytest.fixture(scope="session")
 def real():
-    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct."""
+    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct in fp32: the exactness tests' format."""
     torch.manual_seed(0)
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", weights="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -168,7 +168,7 @@ def test_built_model_round_trip(real, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "m")]) == 0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["infinikv_policy"] == {"policy": "bct", "capacity": 48, "update_rule": "merge"}
-    model, tokenizer = load_model(str(tmp_path / "m"))
+    model, tokenizer = load_model(str(tmp_path / "m"), weights="fp32")
     assert default_policy_spec(model) == {"policy": "bct", "capacity": 48, "update_rule": "merge"}
     ids = tokenizer("It is a truth universally acknowledged, that a single man", return_tensors="pt").input_ids
     out = model.generate(

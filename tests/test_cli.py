@@ -340,7 +340,7 @@ def test_bench_generation_reports_flat_windows_on_a_tiny_model(capsys, tmp_path,
 def test_generate_uses_a_built_models_policy(capsys, tmp_path):
     from infinikv.models import load_model, save_model
 
-    model, tokenizer = load_model("smollm2-135m", kv_capacity=16, update_rule="heavy-hitter")
+    model, tokenizer = load_model("smollm2-135m", kv_capacity=16, update_rule="heavy-hitter", weights="fp32")
     save_model(model, tokenizer, tmp_path / "m")
     code, out, _ = run(
         capsys,
@@ -391,7 +391,7 @@ def test_eval_recall_and_prepare(capsys, tmp_path):
 def test_prepare_warns_about_the_calibration_text(capsys, tmp_path):
     from infinikv.models import load_model, save_model
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m", weights="fp32")
     save_model(model, tokenizer, tmp_path / "m")
     code, out, _ = run(
         capsys, "prepare", "--model", str(tmp_path / "m"), "--calibration", "jargon", "--tokens", "64", "--quiet"

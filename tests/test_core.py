@@ -84,28 +84,31 @@ COMPILABLE += [("bct", {"capacity": 12}), ("bct", {"capacity": 12, "positions": 
 @pytest.mark.parametrize("name, options", COMPILABLE)
 @torch.inference_mode()
 def test_compiled_decode_steps_equal_eager_ones(tiny, name, options):
-    """Every bounded policy (and full with a maximum length) through torch.compile: logits within
-    1e-5 of eager over 40 steps that fill, evict and (rank) renumber; no recompilation after the first."""
-    import torch._dynamo
+    """Every bounded policy (and full with a maximum length) compiled: logits within 1e-5 of eager
+    over 40 steps that fill, evict and (rank) renumber; a second size of the same policy runs the
+    same compiled step (the slots' dimension is traced as dynamic)."""
+    from infinikv import compiled
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
     ids = torch.randint(0, 128, (1, 80))
-    eager = Batch(tiny, make_policy(name, **options), max_length=80)
-    compiled = Batch(tiny, make_policy(name, **options), compile=True, max_length=80)
-    for batch in (eager, compiled):
-        batch.feed(ids[:, :8])
-    for i in range(8, 48):
-        assert (eager.step(ids[:, i]) - compiled.step(ids[:, i])).abs().max() < 1e-5
-    assert compiled.compile_seconds > 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for size in (12, 20):
+        sized = {**options, "capacity": size} if "capacity" in options else options
+        eager = Batch(tiny, make_policy(name, **sized), max_length=80 + size)
+        step = Batch(tiny, make_policy(name, **sized), compile=True, max_length=80 + size)
+        for batch in (eager, step):
+            batch.feed(ids[:, :8])
+        for i in range(8, 48):
+            assert (eager.step(ids[:, i]) - step.step(ids[:, i])).abs().max() < 1e-5
+        assert step.compile_seconds > 0
+        if size == 12:
+            first = step.compiled
+    assert step.compiled is first and any(first in found for found in compiled._LOADED.values())
 
 
 @pytest.mark.slow
 @torch.inference_mode()
 def test_two_models_compiled_side_by_side_each_run_their_own_graph(tiny_folder):
-    """Compiled steps drop dynamo's guards on the model's modules (``core.compiled_decode``): two
-    models of one architecture, fp32 and int8, decoded alternately, each equal their eager steps."""
+    """Two models of one architecture, fp32 and int8 (two compiled steps: the weights' format is
+    part of the key), decoded alternately: each equals its eager steps."""
     from infinikv import load_model
 
     ids = torch.randint(0, 1000, (1, 40))
@@ -121,6 +124,62 @@ def test_two_models_compiled_side_by_side_each_run_their_own_graph(tiny_folder):
         for eager, compiled in steps:
             assert (eager - compiled).abs().max() < 1e-4
         assert (steps[0][0] - steps[1][0]).abs().max() > 1e-3  # the two formats do differ
+    assert runs[0][1].compiled is not runs[1][1].compiled
+
+
+SECOND_PROCESS = """
+import sys, time, torch
+from infinikv import Batch, load_model, make_policy
+model, _ = load_model(sys.argv[1], weights="int8")
+ids = torch.randint(0, 1000, (1, 24))
+with torch.inference_mode():
+    eager, step = (Batch(model, make_policy("bct", capacity=16), compile=c) for c in (False, True))
+    for batch in (eager, step):
+        batch.feed(ids[:, :8])
+    for i in range(8, 20):
+        assert (eager.step(ids[:, i]) - step.step(ids[:, i])).abs().max() < 1e-4
+print(f"{step.compile_seconds:.3f}")
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_compiled_step_from_disk(tiny_folder):
+    """The first process compiles (or finds) the step; the next one loads it without compiling."""
+    import subprocess
+    import sys
+
+    runs = [
+        subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tiny_folder)], capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "compiling the decode step" not in runs[1].stderr
+    assert float(runs[1].stdout.split()[-1]) < 10
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_a_corrupt_compiled_step_is_compiled_again_with_a_warning(tiny, tmp_path, monkeypatch):
+    from infinikv import compiled
+
+    monkeypatch.setattr(compiled, "compiled_dir", lambda: tmp_path)
+    monkeypatch.setattr(compiled, "_LOADED", {})
+    policy = make_policy("sink", capacity=10)
+    key = compiled.step_key(tiny, policy, 1)
+    corrupt = tmp_path / f"{key}-0.pt"
+    corrupt.write_bytes(b"not a compiled step")
+    ids = torch.randint(0, 128, (1, 30))
+    eager, step = Batch(tiny, policy), Batch(tiny, make_policy("sink", capacity=10), compile=True)
+    for batch in (eager, step):
+        batch.feed(ids[:, :8])
+    with pytest.warns(UserWarning, match="unusable .* compiling again"):
+        step.step(ids[:, 8])
+    eager.step(ids[:, 8])
+    for i in range(9, 20):
+        assert (eager.step(ids[:, i]) - step.step(ids[:, i])).abs().max() < 1e-5
+    assert not corrupt.exists()  # removed, and the rebuilt step saved beside it
+    assert [p.stat().st_size > 1000 for p in compiled.variants(key)] == [True]
 
 
 def test_compiling_a_growing_cache_is_refused(tiny):

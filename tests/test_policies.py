@@ -85,6 +85,49 @@ def test_exact_when_the_budget_covers_everything(real, emma_ids, full_logits, na
         assert (again - reference).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("name", ALL)
+@torch.inference_mode()
+def test_chunked_prefill_is_exact_when_the_budget_covers_everything(real, emma_ids, name):
+    """The decode core's default: a prompt read in chunks (of 24 here, as a 512-token chunk reads a
+    long prompt), then decode steps: each position's logits equal one-chunk ``full``'s."""
+    model, tokenizer = real
+    ids = emma_ids[:, :110]
+    reference = Batch(model, make_policy("full"))
+    expected = torch.cat(
+        [reference.prefill([ids[0, :80].tolist()], 0, chunk=80, keep_all=True)]
+        + [reference.step(ids[:, i])[:, None] for i in range(80, 110)],
+        dim=1,
+    )
+    policy = whole(name, model, tokenizer)
+    batch = Batch(model, policy)
+    got = torch.cat(
+        [batch.prefill([ids[0, :80].tolist()], 0, chunk=24, keep_all=True)]
+        + [batch.step(ids[:, i])[:, None] for i in range(80, 110)],
+        dim=1,
+    )
+    assert (got - expected).abs().max() < TOLERANCE.get(name, 1e-4)
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+@torch.inference_mode()
+def test_a_bounded_prefill_holds_at_most_capacity_plus_its_chunk(real, emma_ids, name):
+    """A 200-token prompt under a 48-token budget, read in the policy's own chunks: the cache's
+    peak K/V (``peak_bytes``, what results report) stays within (capacity + chunk) tokens, and the
+    chunk is no larger than the capacity (snapkv reads its prompt whole: its question scores it)."""
+    model, _ = real
+    capacity, prompt = 48, emma_ids[0, :200].tolist()
+    policy = make_policy(name, capacity=capacity)
+    chunk = policy.prefill_chunk(model, len(prompt))
+    assert chunk == (len(prompt) if name == "snapkv" else capacity)
+    batch = Batch(model, policy)
+    batch.prefill([prompt], 0)
+    per_token = batch.cache.layers[0].slots.bytes_per_token()
+    assert batch.cache.peak_bytes() <= (capacity + chunk) * per_token * len(batch.cache.layers)
+    again = Batch(model, make_policy(name, capacity=capacity, prefill_chunk=16))
+    again.prefill([prompt], 0)
+    assert again.cache.peak_bytes() <= (capacity + 16) * per_token * len(again.cache.layers)
+
+
 GENERATE = dict(max_new_tokens=24, do_sample=False)
 
 

@@ -10,32 +10,49 @@ from torch import nn
 
 from infinikv import Batch, load_model, make_policy, weights
 from infinikv.errors import InfinikvError
-from infinikv.weights import PackedEmbedding, PackedLinear, stored_bytes, weights_format
+from infinikv.weights import PackedEmbedding, stored_bytes, weights_format
+
+
+def stands_for(fmt: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight a format rounds ``weight`` to."""
+    if fmt == "int8":
+        q, scale = weights.quantize_int8(weight)
+        return q.float() * scale.float()[:, None]
+    if fmt == "int4":
+        return weights.dequantize_int4(*weights.quantize_int4(weight))
+    return weight.to(torch.bfloat16).float()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_packed_linear_computes_with_the_weight_it_stands_for(fmt):
-    """The kernel's output equals x @ W'ᵀ + b, W' the weight the format rounded W to (bf16 inputs)."""
+def test_torch_kernels_compute_with_the_weight_they_stand_for(fmt):
+    """torch's weight-only kernels: x @ W'ᵀ + b, W' the weight the format rounded W to, on bf16 inputs."""
     torch.manual_seed(0)
     linear = nn.Linear(128, 96)
     x = torch.randn(2, 3, 128)
-    if fmt == "int8":
-        q, scale = weights.quantize_int8(linear.weight.detach())
-        stands_for = q.float() * scale.float()[:, None]
-    elif fmt == "int4":
-        stands_for = weights.dequantize_int4(*weights.quantize_int4(linear.weight.detach()))
-    else:
-        stands_for = linear.weight.detach().to(torch.bfloat16).float()
-    packed = PackedLinear(linear, fmt)
-    out = packed(x)
+    out = weights.TorchPackedLinear(linear, fmt)(x)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
-    expected = x.to(torch.bfloat16).float() @ stands_for.T + linear.bias.detach()
+    expected = x.to(torch.bfloat16).float() @ stands_for(fmt, linear.weight.detach()).T + linear.bias.detach()
     assert (out - expected).abs().max() < 0.02  # bf16 accumulation of 128 products of size ~0.1
     # and the rounding is the format's: int4 moves the weights far more than int8
-    error = (stands_for - linear.weight).abs().max() / linear.weight.abs().max()
+    error = (stands_for(fmt, linear.weight.detach()) - linear.weight).abs().max() / linear.weight.abs().max()
     # (int8: half a step of 1/127 of the row's largest weight, plus the bf16 rounding of its scale)
     assert error < {"bf16": 0.005, "int8": 0.01, "int4": 0.07}[fmt]
     assert error > 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # decode steps through the kernel, a prefill chunk dequantized
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_native_kernels_compute_with_the_weight_they_stand_for_in_float32(fmt, rows):
+    """infinikv's kernels (what `pack_linear` picks on this CPU): x @ W'ᵀ + b in float32, no input
+    rounding, W' the same grid as torch's layout (up to the bf16 rounding of its scales)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96)
+    packed = weights.pack_linear(linear, fmt)
+    assert isinstance(packed, weights.NativeLinear)
+    x = torch.randn(rows, 128)
+    exact = x @ packed.dense().T + linear.bias.detach()
+    assert (packed(x) - exact).abs().max() < 1e-5
+    assert (packed.dense() - stands_for(fmt, linear.weight.detach())).abs().max() < 0.01 * linear.weight.abs().max()
 
 
 def test_int4_rounds_each_group_within_half_a_step():
@@ -65,7 +82,7 @@ def test_packed_embedding_keeps_rows_and_a_gemma_scale():
 @torch.inference_mode()
 def test_tiny_model_in_int8_decodes_with_a_quarter_of_the_bytes(tiny_folder):
     model, tokenizer = load_model(str(tiny_folder), weights="int8")
-    reference, _ = load_model(str(tiny_folder))
+    reference, _ = load_model(str(tiny_folder), weights="fp32")
     assert weights_format(model) == "int8" and weights_format(reference) == "fp32"
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert stored_bytes(model) < 0.3 * stored_bytes(reference)
@@ -102,7 +119,7 @@ def test_an_mlp_that_combines_its_parts_otherwise_stays_unfused():
     torch.manual_seed(0)
     model = nn.Sequential(UpGated())
     for name in ("gate_proj", "up_proj", "down_proj"):
-        setattr(model[0], name, PackedLinear(getattr(model[0], name), "int8"))
+        setattr(model[0], name, weights.pack_linear(getattr(model[0], name), "int8"))
     assert weights.fuse_gated_mlps(model) == 0 and isinstance(model[0], UpGated)
 
 
@@ -166,7 +183,7 @@ def test_bct_renumbers_positions_under_int8(real_int8, emma_ids):
 
 
 def test_unknown_format_is_one_line():
-    with pytest.raises(InfinikvError, match="unknown weight format 'int3'; choose one of fp32, bf16, int8, int4"):
+    with pytest.raises(InfinikvError, match="unknown weight format 'int3'; choose one of auto, fp32, bf16, int8, int4"):
         weights.check_format("int3")
 
 

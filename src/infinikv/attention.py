@@ -16,6 +16,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import native
 from .cache import GroupedCache, KVCache
 from .modules import attention_modules
 from .policies import parse_spec
@@ -76,6 +77,8 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     whose config names a default policy (``config.infinikv_policy``) uses it in ``generate()``
     whenever no cache is passed.
     """
+    if next(model.parameters()).device.type == "cpu":
+        native.available()  # build or load the CPU kernels now, not inside the first decode step
     AttentionInterface.register(NAME, infinikv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)

@@ -11,24 +11,23 @@ Before each forward the core tells the cache what is coming (``KVCache.begin``: 
 which are padding, their positions), so the cache plans on the host from counts it keeps there,
 and a steady decode step makes no device-to-host synchronisation (a two-tier cache's copies
 too are sized on the host; see ``cache.fetch``). With ``compile=True`` the
-decode step of a cache whose shapes are static (``policy.compilable``) runs through
-``torch.compile`` (inductor with the system C compiler on a CPU, CUDA graphs on a GPU); prefill
-always runs eagerly.
+decode step of a cache whose shapes are static (``policy.compilable``) runs compiled
+(``infinikv.compiled``: built once per machine and loaded from disk); prefill always runs eagerly.
 """
 
 from __future__ import annotations
 
 import time
-import types
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy
+from .policies.base import PREFILL_CHUNK
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -46,39 +45,12 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
     return ids, real
 
 
-def decode(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-    """One decode step's forward (what ``compiled_decode`` compiles): next-token logits (b, V)."""
-    return model(input_ids=ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True).logits[:, -1]
-
-
-_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, Callable] = weakref.WeakKeyDictionary()
-
-
-def compiled_decode(model: torch.nn.Module) -> Callable:
-    """``decode`` compiled for ``model`` alone (inductor with the system C compiler on a CPU, CUDA
-    graphs on a GPU).
-
-    Before each call dynamo checks guards on everything a graph read; for a model, ~7,500 on its
-    modules' hooks, types and attributes, which took 2.6 of a 29 ms compiled step (SmolLM2 int8 at
-    1k). Each model gets its own copy of ``decode``'s code (dynamo keeps graphs per code object), so
-    a graph only ever runs with the model it was traced from, and those guards are dropped (a
-    loaded model's modules never change); the guards on the cache and the inputs all stay.
-    """
-    if model not in _COMPILED:
-        code = decode.__code__.replace(co_name=f"decode_{len(_COMPILED)}_{id(model):x}")
-        own = types.FunctionType(code, decode.__globals__, code.co_name)
-        mode = "reduce-overhead" if model_device(model).type == "cuda" else None
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        _COMPILED[model] = torch.compile(own, mode=mode, options=options)
-    return _COMPILED[model]
-
-
 class Batch:
     """Sequences decoding together under one cache (see the module docstring).
 
     ``policy`` builds the cache (``max_length``: the most tokens a row will see, which sizes the
-    storage of a compiled ``full``). ``compile``: run decode steps
-    through ``torch.compile`` (``compile_seconds`` says what the first compiled step cost).
+    storage of a compiled ``full``). ``compile``: run decode steps compiled (``compile_seconds``
+    says what getting the compiled step cost: loading it, or building it).
     """
 
     def __init__(
@@ -96,6 +68,7 @@ class Batch:
         self.compiled: Callable | None = None
         self.compile_seconds: float | None = None
         self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._signature: tuple = ()
         self._all_real: dict[int, torch.Tensor] = {}
 
     @property
@@ -108,18 +81,32 @@ class Batch:
         self, prompts: Sequence[Sequence[int]], pad_id: int, chunk: int | None = None, keep_all: bool = False
     ) -> torch.Tensor:
         """Feed ``prompts`` (one token list per row, left-padded), ``chunk`` tokens per forward
-        (None: all at once). Returns each row's next-token logits (b, V), or with ``keep_all``
-        the logits of every position (b, n, V)."""
+        (None: the policy's choice, ``Policy.prefill_chunk``). Returns each row's next-token logits
+        (b, V), or with ``keep_all`` the logits of every position (b, n, V)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InfinikvError("the prompt is empty")
         ids, real = left_pad(prompts, pad_id)
         self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
         self.cache.expect([len(p) for p in prompts])
-        chunk = chunk or ids.shape[1]
+        chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
         outputs = []
         for start in range(0, ids.shape[1], chunk):
             piece, mask = ids[:, start : start + chunk], real[:, start : start + chunk]
             outputs.append(self.feed(piece.to(self.device), mask, keep_all=keep_all))
+        return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor, keep_all: bool = False, chunk: int | None = None) -> torch.Tensor:
+        """Feed known tokens ``ids`` (b, n) after what the rows hold (teacher forcing, a stream),
+        ``chunk`` per forward as in ``prefill``. Returns the last position's logits (b, V), or every
+        position's (b, n, V) with ``keep_all``."""
+        if self.rows == 0:  # a prompt: a budget fraction is of all of it, however it is cut
+            self.cache.expect([ids.shape[1]] * ids.shape[0])
+        chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
+        outputs = [
+            self.feed(ids[:, start : start + chunk].to(self.device), keep_all=keep_all)
+            for start in range(0, ids.shape[1], chunk)
+        ]
         return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
 
     @torch.inference_mode()
@@ -164,25 +151,29 @@ class Batch:
         """One decode step: token ``tokens[r]`` (b,) for each row. Returns next-token logits (b, V)."""
         if not self.compile:
             return self.feed(tokens[:, None])
-        if self._static is None:
-            self._static = (tokens[:, None].clone(), self.next_position[:, None].clone(), self._mask(self.rows))
+        if self._static is None:  # fresh, contiguous tensors: a compiled step's guards check strides
+            self._static = (
+                torch.empty(self.rows, 1, dtype=torch.long, device=self.device),
+                torch.empty(self.rows, 1, dtype=torch.long, device=self.device),
+                self._mask(self.rows),
+            )
         ids, positions, mask = self._static
         ids.copy_(tokens[:, None])
         positions.copy_(self.next_position[:, None])
         self.next_position = self.next_position + 1
         self.cache.begin(1, positions, None, [1] * self.rows)
         try:
-            if self.compiled is None:
+            args = (self.model, self.cache, ids, positions, mask)
+            shape = self.cache.signature()  # what the host planned: a new plan may need another compiled step
+            if self.compiled is None or shape != self._signature:
                 if self.device.type == "cuda":  # CUDA graphs replay fixed addresses: the storage never moves
                     for layer in self.cache.layers:
                         for t in layer.slots.tensors():
                             torch._dynamo.mark_static_address(t)
-                self.compiled = compiled_decode(self.model)
                 started = time.perf_counter()
-                logits = self.compiled(self.model, self.cache, ids, positions, mask)
-                self.compile_seconds = time.perf_counter() - started
-            else:
-                logits = self.compiled(self.model, self.cache, ids, positions, mask)
+                self.compiled, self._signature = compiled.step_for(self.model, self.policy, args), shape
+                self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
+            logits = self.compiled(*args)
         finally:
             self.cache.end()
         return logits.clone()
@@ -192,13 +183,13 @@ class Batch:
         """Take ``other``'s rows (same policy) after this batch's rows."""
         join(self.cache, other.cache)
         self.next_position = torch.cat([self.next_position, other.next_position])
-        self._static = None  # the compiled step's inputs change shape
+        self._static = self.compiled = None  # the compiled step's inputs change shape
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order)."""
         keep(self.cache, rows)
         self.next_position = self.next_position[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        self._static = None
+        self._static = self.compiled = None
 
 
 class DynamicBaseline:
@@ -216,7 +207,7 @@ class DynamicBaseline:
     def prefill(self, prompts: Sequence[Sequence[int]], pad_id: int, chunk: int | None = None) -> torch.Tensor:
         (prompt,) = prompts
         ids = torch.tensor([list(prompt)], device=self.device)
-        chunk = chunk or ids.shape[1]
+        chunk = chunk or PREFILL_CHUNK
         for start in range(0, ids.shape[1], chunk):
             logits = self._forward(ids[:, start : start + chunk])
         return logits

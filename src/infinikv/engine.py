@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compiled
 from .contract import REFERENCE
 from .core import Batch, Sampling, sample
 from .errors import InfinikvError
@@ -36,11 +37,14 @@ class Generation:
     attended_fraction: float  # mean over decode steps and layers of keys attended / tokens seen
     policy: dict = field(default_factory=dict)
     transfers: dict = field(default_factory=dict)  # slow->fast traffic, for two-tier policies
-    compile_seconds: float | None = None  # what the first compiled decode step cost (with --compile)
+    compile_seconds: float | None = None  # what the first compiled step cost: loading it, or building it
+    compiled: bool = False  # the decode steps ran compiled
 
     @property
     def tokens_per_second(self) -> float:
-        decode = self.seconds - self.prefill_seconds
+        """Decode speed: new tokens over the decode time, less the one-off cost of loading (or
+        building) the compiled step, which ``compile_seconds`` reports apart."""
+        decode = self.seconds - self.prefill_seconds - (self.compile_seconds or 0.0)
         return self.new_tokens / decode if decode > 0 else 0.0
 
     def to_json(self) -> dict:
@@ -54,6 +58,7 @@ class Generation:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "kv_bytes": self.kv_bytes,
             "attended_fraction": self.attended_fraction,
+            "compiled": self.compiled,
             **({"compile_seconds": round(self.compile_seconds, 2)} if self.compile_seconds is not None else {}),
             **self.transfers,
         }
@@ -90,14 +95,15 @@ def generate(
     sampling: Sampling | None = None,
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
-    compile: bool = False,
+    compile: bool | str = "auto",
     **policy_options,
 ) -> Generation:
     """Generate a continuation of each prompt under ``policy``.
 
     ``prompts`` may be one string or a list (run as one left-padded batch). ``on_text(i, piece)``
-    is called with each new piece of text of sequence ``i`` as it is produced. ``compile`` runs
-    the decode steps through ``torch.compile`` (policies with a fixed capacity, and ``full``).
+    is called with each new piece of text of sequence ``i`` as it is produced. ``compile`` (auto,
+    on, off; see ``compiled.resolve``) runs the decode steps compiled: ``auto`` where the policy's
+    step is already built (``infinikv prepare --compile``).
     """
     sampling = sampling or Sampling()
     if isinstance(policy, str):
@@ -105,7 +111,9 @@ def generate(
     single = isinstance(prompts, str)
     encoded = encode_prompts(tokenizer, [prompts] if single else list(prompts), chat)
     ensure_prepared(policy, model, tokenizer)
-    batch = Batch(model, policy, compile=compile, max_length=max(map(len, encoded)) + sampling.max_new_tokens)
+    length = max(map(len, encoded)) + sampling.max_new_tokens
+    compile = compiled.resolve(compile, model, policy, len(encoded), length)
+    batch = Batch(model, policy, compile=compile, max_length=length)
     start = time.perf_counter()
     logits = batch.prefill(encoded, tokenizer.pad_token_id)
     prefill_seconds = time.perf_counter() - start
@@ -146,4 +154,5 @@ def generate(
         policy=policy.describe(),
         transfers=cache.transfer_summary() or {},
         compile_seconds=batch.compile_seconds,
+        compiled=compile,
     )

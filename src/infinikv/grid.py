@@ -139,12 +139,14 @@ class Worker:
         return self.cached(("text", name, from_chapter_one), lambda: data.load_text(name, from_chapter_one))
 
 
-def _context(worker: Worker, policy, text: str, context: int, continuation: int, compile: bool = False) -> dict:
+def _context(worker: Worker, policy, text: str, context: int, continuation: int, compile: bool | str = "off") -> dict:
+    from .compiled import resolve
     from .eval.ppl import context_tokens, perplexity
 
     key = ("P-ctx", text, context, continuation)
     ids = worker.cached(key, lambda: context_tokens(worker.tokenizer, worker.text(text), context, continuation))
-    return perplexity(worker.model, ids, policy, context, worker.progress, compile=compile and policy.compilable)
+    compile = resolve(compile, worker.model, policy, 1, ids.shape[1]) and policy.compilable
+    return perplexity(worker.model, ids, policy, context, worker.progress, compile=compile)
 
 
 def _needle(worker: Worker, policy, text: str, context: int, needles: int, seed: int) -> dict:

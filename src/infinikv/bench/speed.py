@@ -4,6 +4,7 @@ physical floor: the bytes a decode step must read divided by this machine's memo
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import time
@@ -13,8 +14,10 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from ..compiled import resolve
 from ..contract import REFERENCE
 from ..core import Batch, DynamicBaseline
+from ..errors import InfinikvError
 from ..policies import Policy
 from ..weights import stored_bytes, weights_format
 
@@ -87,6 +90,62 @@ def kv_bytes_attended(cache) -> float:
 
 
 DYNAMIC = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the row to beat
+PEER = "peer"  # the policy field of a peer's rows (another engine, measured by its own script)
+
+
+def peer_rows(lines: list[str], source: str) -> list[dict]:
+    """A peer's rows from the JSON lines its speed script printed (``../shared/peers/llamacpp/
+    speed.py``: ``peer``, ``context``, ``ms_per_step``, ``prefill_s``), shaped as ours."""
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            given = json.loads(line)
+            row = {
+                "policy": PEER,
+                "label": f"{given['peer']} (peer)",
+                "budget": None,
+                "capacity": None,
+                "context": int(given["context"]),
+                "ms_per_step": float(given["ms_per_step"]),
+            }
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise InfinikvError(
+                f"{source}:{number}: not a peer row (a JSON object with peer, context, ms_per_step)"
+            ) from None
+        row["tokens_per_second"] = round(1000 / row["ms_per_step"], 2)
+        if "prefill_s" in given:
+            row["prefill_seconds"] = float(given["prefill_s"])
+            row["prompt_tokens_per_second"] = round(row["context"] / row["prefill_seconds"], 1)
+        rows.append({**row, "source": {k: v for k, v in given.items() if k not in row}})
+    return rows
+
+
+def compare_with_peer(rows: list[dict], peers: list[dict]) -> None:
+    """Set each of our rows' ``ratio_to_peer``: the peer's ms per step at the same context over
+    ours (above 1: ours is faster), and ``ratio_to_peer_at_<first context>``."""
+    at = {r["context"]: r["ms_per_step"] for r in peers}
+    first = min(at) if at else None
+    for row in rows:
+        if row.get("policy") == PEER:
+            continue
+        if row["context"] in at:
+            row["ratio_to_peer"] = round(at[row["context"]] / row["ms_per_step"], 3)
+        if first is not None:
+            row[f"ratio_to_peer_at_{first}"] = round(at[first] / row["ms_per_step"], 3)
+
+
+COMPILE_MODES = ("auto", "on", "off", "both")
+
+
+def compile_runs(mode: str, model: torch.nn.Module, policy: Policy, length: int) -> list[bool]:
+    """Which runs of ``policy`` to time: eager (False), compiled (True), or both (``COMPILE_MODES``)."""
+    if mode == "both":
+        return [False, True] if policy.compilable else [False]
+    if mode == "on":
+        return [policy.compilable]
+    return [resolve(mode, model, policy, 1, length)]
 
 
 @torch.inference_mode()
@@ -99,21 +158,22 @@ def bench_speed(
     warmup: int = 3,
     progress: bool = True,
     bandwidth: float | None = None,
-    chunk: int = 1024,
-    compile: bool = False,
+    compile: str = "auto",
     reference: bool = True,
 ):
     """Yield one result per (context, weights, run): median ms per decode step, ratio to ``full``
-    (under the same weights) and to the same run under fp32 weights, memory, and the floor
+    (under the same weights; its compiled run where there is one) and to the same run under fp32
+    weights, memory, and the floor
     ``(weights as stored + K/V touched per step) / bandwidth`` with the efficiency floor / measured.
     The bandwidth is the median of triad passes run between the rounds of steps (or
     ``bandwidth``, bytes/s, when given).
 
     ``model`` is one model or ``{weight format: model}`` (the same model stored in several formats:
     ``infinikv.weights``). Every run decodes the same tokens, interleaved step by step.
-    ``reference`` adds transformers' own ``DynamicCache`` (``hf-dynamic``) for each format;
-    ``compile`` adds a compiled run of every compilable policy next to its eager one, so the bench
-    says whether compiling pays on this machine.
+    ``reference`` adds transformers' own ``DynamicCache`` (``hf-dynamic``) for each format.
+    ``compile``: ``auto`` runs each policy as ``generate`` would (compiled where its step is
+    built), ``on`` compiles every policy that can be (building its step if needed), ``off`` none,
+    and ``both`` times each compilable policy eager and compiled side by side.
     """
     variants = dict(model) if isinstance(model, Mapping) else {weights_format(model): model}
     process = psutil.Process()
@@ -142,12 +202,16 @@ def bench_speed(
                 }
                 runs[f"{DYNAMIC} {fmt}"] = (reference_row, DynamicBaseline(lm))
             for policy in policies:
-                for compiled in [False, True] if compile and policy.compilable else [False]:
+                for compiled in compile_runs(compile, lm, policy, length):
                     key = f"{policy!r} {fmt}" + (" compiled" if compiled else "")
                     row = {**policy.describe(), "compiled": compiled, "weights": fmt}
                     runs[key] = (row, Batch(lm, policy, compiled, length))
-        for _, run in tqdm(runs.values(), desc=f"prefill {context}", disable=not progress, leave=False):
-            run.prefill([ids[0, :context].tolist()], pad_id=0, chunk=chunk)
+        prefill_seconds = {}
+        for key, (_, run) in tqdm(runs.items(), desc=f"prefill {context}", disable=not progress, leave=False):
+            begin = time.perf_counter()
+            run.prefill([ids[0, :context].tolist()], pad_id=0)
+            sync()
+            prefill_seconds[key] = time.perf_counter() - begin
         times: dict[str, list[float]] = {key: [] for key in runs}
         tokens = ids[:, context:length]
         for step in tqdm(range(warmup + steps), desc=f"decode {context}", disable=not progress, leave=False):
@@ -163,9 +227,10 @@ def bench_speed(
                     run.cache.clock.enabled = True  # profile the timed steps (eager runs only)
         medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
         measured = bandwidth or triad.median()
-        full = {
-            d["weights"]: medians[k] for k, (d, _) in runs.items() if d["policy"] == REFERENCE and not d["compiled"]
-        }
+        full = {}  # full as a user runs it: compiled where it was, else eager
+        for k, (d, _) in sorted(runs.items(), key=lambda item: item[1][0]["compiled"]):
+            if d["policy"] == REFERENCE:
+                full[d["weights"]] = medians[k]
         rss = process.memory_info().rss
         # ru_maxrss is KiB on Linux; the kernel's high-water mark can lag the current RSS by a few pages
         peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
@@ -189,6 +254,8 @@ def bench_speed(
                 **description,
                 "context": context,
                 "ms_per_step": round(ms, 3),
+                "prefill_seconds": round(prefill_seconds[key], 3),
+                "prompt_tokens_per_second": round(context / prefill_seconds[key], 1),
                 "tokens_per_second": round(1000 / ms, 2),
                 "ratio_to_full": round(full[description["weights"]] / ms, 3)
                 if description["weights"] in full

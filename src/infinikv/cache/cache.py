@@ -44,6 +44,11 @@ class KVCache(Cache):
     def end(self) -> None:
         self.stepping = False
 
+    def signature(self) -> tuple:
+        """What the host planned for the coming forward, in the values the layers' code branches
+        on: a compiled step traced for one signature is not valid for another."""
+        return tuple(layer.signature() for layer in self.layers)
+
     def before_attention(
         self,
         layer_idx: int,

@@ -122,6 +122,12 @@ class KVLayer(CacheLayerMixin):
         )
         self.pending = True
 
+    def signature(self) -> tuple:
+        """The planned values this layer's forward branches on (``KVCache.signature``)."""
+        plan, eviction = self.plan, self.plan.eviction
+        planned = (eviction.count, eviction.on_device, eviction.ranked, eviction.uniform)  # not the host's counts
+        return (plan.write.length, plan.write.contiguous, plan.masked, plan.fresh, plan.fetch, planned, self.uniform)
+
     def fetches(self, q: int) -> bool:
         """A forward of ``q`` tokens per row attends to rows fetched from the slow tier: a decode
         step of two tiers, once something is stored."""

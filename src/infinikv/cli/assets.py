@@ -31,10 +31,10 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     spec = single_policy(args)
     if spec is None:
         raise InfinikvError("models build needs --policy (and its budget), e.g. --policy bct --capacity 1024")
-    model, tokenizer = models.load_model(args.name)
+    model, tokenizer = models.load_model(args.name, weights="fp32")  # saved as loaded, not packed
     models.set_default_policy(model, parse_spec(spec))
     out = models.save_model(model, tokenizer, Path(args.out))
-    print(f"{out}: generate() uses {models.default_policy_spec(model)}")
+    print(f"{out}: generate() uses {models.own_policy_spec(model)}")
     return 0
 
 
@@ -65,6 +65,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     asked = split_policies(args.policy) if args.policy else []
     if len(asked) > 1:
         raise InfinikvError("--policy takes one policy, e.g. infinigen or 'infinigen[partial_ratio=0.5]'")
+    if args.compile:
+        return prepare_compiled(args, asked)
     cells = asked or [(n, {}) for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
     # built before the model loads, so a bad option is refused at once
     policies = {name: None if policy_class(name).takes_budget else make_policy(name, **own) for name, own in cells}
@@ -78,8 +80,36 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_compiled(args: argparse.Namespace, asked: list[tuple[str, dict]]) -> int:
+    """Build (or find) the compiled decode step of ``--policy`` (default: the model's default
+    policy) for one row, so that every later run with ``--compile auto`` loads it."""
+    import torch
+
+    from ..compiled import built
+    from ..core import Batch
+
+    policy = parse_spec({"policy": asked[0][0], **asked[0][1]}) if asked else None
+    if policy is not None and not policy.compilable:
+        raise InfinikvError(f"{policy.label()} cannot be compiled (its cache shapes change as it runs)")
+    model, tokenizer = load(args)
+    policy = policy or parse_spec(models.default_policy_spec(model))
+    ensure_prepared(policy, model, tokenizer, not args.quiet)
+    if built(model, policy):
+        print(f"{policy.label()}: compiled step already built")
+        return 0
+    ids = tokenizer("The compiled step is traced on a short prompt.").input_ids
+    with torch.inference_mode():
+        batch = Batch(model, policy, compile=True, max_length=len(ids) + 2)
+        batch.prefill([ids], tokenizer.pad_token_id)
+        batch.step(torch.tensor([ids[-1]]))
+    print(f"{policy.label()}: compiled step built in {batch.compile_seconds:.1f} s")
+    return 0
+
+
 def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
-    p = sub.add_parser("prepare", help="run the calibration of the policies that need one (saved next to the model)")
+    p = sub.add_parser(
+        "prepare", help="run the calibration of the policies that need one, or (--compile) build a compiled step"
+    )
     add_model_argument(p)
     p.add_argument(
         "--policy",
@@ -89,6 +119,12 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     )
     p.add_argument("--calibration", default=None, help="calibration text (not an evaluation text; default per policy)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default per policy)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="build the compiled decode step of --policy (default: the model's default policy) instead, once "
+        "per machine: later runs with --compile auto load it in seconds",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prepare)
 

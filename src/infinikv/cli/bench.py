@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .. import data, models
+from ..bench.speed import COMPILE_MODES
 from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..grid import PROTOCOLS
@@ -17,6 +18,7 @@ from ..policies import parse_spec
 from ..results import budget_text
 from ..weights import check_format
 from .common import (
+    add_compile_argument,
     add_model_argument,
     add_policy_arguments,
     add_ray_arguments,
@@ -72,17 +74,24 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
-    from ..bench.speed import bench_speed
+    from ..bench.speed import bench_speed, compare_with_peer, peer_rows
 
     policies = grid(args)
+    peers = []
+    if args.peer:
+        try:
+            peers = peer_rows(Path(args.peer).read_text().splitlines(), args.peer)
+        except OSError as exc:
+            raise InfinikvError(f"cannot read --peer {args.peer}: {exc.strerror}") from None
     contexts = counts(args.contexts, "--contexts")
-    if args.steps < 1 or args.prefill_chunk < 1:
-        raise InfinikvError("--steps and --prefill-chunk must be at least 1")
+    if args.steps < 1:
+        raise InfinikvError("--steps must be at least 1")
     if args.device.startswith("cuda") and not cuda_available():
         raise InfinikvError("--device cuda asked for, but torch sees no CUDA device")
-    if args.compile and not any(p.compilable for p in policies):
-        raise InfinikvError("--compile: none of these policies can be compiled")
-    formats = list(dict.fromkeys(f.strip() for f in args.weights.split(",") if f.strip()))
+    if args.compile in ("on", "both") and not any(p.compilable for p in policies):
+        raise InfinikvError(f"--compile {args.compile}: none of these policies can be compiled")
+    asked = [f.strip() for f in args.weights.split(",") if f.strip()]
+    formats = list(dict.fromkeys(models.resolve_weights(args.model, f, args.device) for f in asked))
     for fmt in formats:  # every format runnable before any loads
         check_format(fmt, args.device)
     text = data.load_text(args.text)
@@ -105,7 +114,6 @@ def cmd_speed(args: argparse.Namespace) -> int:
         contexts,
         args.steps,
         progress=not args.quiet,
-        chunk=args.prefill_chunk,
         compile=args.compile,
     )
     for row in cells:  # a context's cells finish together (they are interleaved): save each as it lands
@@ -113,29 +121,21 @@ def cmd_speed(args: argparse.Namespace) -> int:
         rows.append(row)
         append_row(out, row)
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=2))
+            Path(args.json).write_text(json.dumps(peers + rows, indent=2))
+    compare_with_peer(rows, peers)
+    if args.json:
+        Path(args.json).write_text(json.dumps(peers + rows, indent=2))
     if args.plot:
         from ..bench.plots import speed_plot
 
-        print(f"plot -> {speed_plot(rows, Path(args.plot))}", file=sys.stderr)
-    columns = [("ms/step", 9), ("tok/s", 8), ("x full", 7), ("x fp32", 7), ("floor ms", 9), ("eff.", 6)]
-    columns += [("KV MiB", 8), ("RSS MiB", 8)]
-    print(f"{'context':>8} {'policy':<36} {'budget':>8} " + " ".join(f"{name:>{width}}" for name, width in columns))
-    for r in rows:
-        ratio = f"{r['ratio_to_full']:.2f}" if r["ratio_to_full"] else "-"
-        to_fp32 = f"{r['ratio_to_fp32']:.2f}" if r.get("ratio_to_fp32") else "-"
-        print(
-            f"{r['context']:>8} {run_label(r):<36} {budget_text(r):>8} {r['ms_per_step']:>9.1f} "
-            f"{r['tokens_per_second']:>8.1f} {ratio:>7} {to_fp32:>7} {r['floor_ms_per_step']:>9.1f} "
-            f"{r['efficiency']:>6.2f} "
-            f"{r['kv_bytes'] / 2**20:>8.1f} {r['peak_rss_bytes'] / 2**20:>8.0f}"
-        )
+        print(f"plot -> {speed_plot(peers + rows, Path(args.plot))}", file=sys.stderr)
+    print(speed_table(peers + rows))
     print(
         "\nwhere a decode step goes (mean ms): speculate / fetch (not overlapped) / attend / rest, speculate %, "
         "and the weights' byte floor (what the rest compares with)"
     )
     for r in rows:
-        p = r["profile_ms"]
+        p = r.get("profile_ms")
         if p:
             print(
                 f"{r['context']:>8} {run_label(r):<36} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
@@ -152,6 +152,35 @@ def cmd_speed(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def speed_table(rows: list[dict]) -> str:
+    """ms per decode step and prompt tokens/s, each run beside its floor, ``full`` and the peer."""
+    columns = [("ms/step", 9), ("tok/s", 8), ("x full", 7), ("x peer", 7), ("x fp32", 7), ("floor ms", 9)]
+    columns += [("eff.", 6), ("prompt/s", 9), ("KV MiB", 8), ("RSS MiB", 8)]
+    lines = [f"{'context':>8} {'policy':<36} {'budget':>8} " + " ".join(f"{n:>{w}}" for n, w in columns)]
+
+    def number(row: dict, key: str, spec: str, scale: float = 1.0) -> str:
+        return format(row[key] / scale, spec) if row.get(key) is not None else "-"
+
+    for r in rows:
+        cells = [
+            number(r, "ms_per_step", ".1f"),
+            number(r, "tokens_per_second", ".1f"),
+            number(r, "ratio_to_full", ".2f"),
+            number(r, "ratio_to_peer", ".2f"),
+            number(r, "ratio_to_fp32", ".2f"),
+            number(r, "floor_ms_per_step", ".1f"),
+            number(r, "efficiency", ".2f"),
+            number(r, "prompt_tokens_per_second", ".0f"),
+            number(r, "kv_bytes", ".1f", 2**20),
+            number(r, "peak_rss_bytes", ".0f", 2**20),
+        ]
+        lines.append(
+            f"{r['context']:>8} {run_label(r):<36} {budget_text(r):>8} "
+            + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))
+        )
+    return "\n".join(lines)
 
 
 def cmd_generation(args: argparse.Namespace) -> int:
@@ -333,11 +362,21 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths")
     p.add_argument("--steps", type=int, default=24, help="timed decode steps per cell")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward (memory at 32k)")
-    p.add_argument("--compile", action="store_true", help="also time a compiled run of each policy that allows it")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="auto",
+        help="auto (default): each policy as generate runs it (compiled where its step is built); on: compile "
+        "every policy that can be; off; both: eager and compiled side by side",
+    )
     p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
     p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
     p.add_argument("--plot", help="write a PNG of ms per step (and its floor) and the ratio to full by context")
+    p.add_argument(
+        "--peer",
+        help="JSON lines of another engine's speed on the same model and text (../shared/peers/llamacpp/speed.py): "
+        "its rows join the table, the JSON and the plot, and each of ours gets its ratio to the peer's",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True)
     p.set_defaults(func=cmd_speed)
@@ -348,7 +387,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument("--tokens", type=int, default=100_000, help="tokens to generate (default 100,000)")
     p.add_argument("--window", type=int, default=10_000, help="tokens per reported window (default 10,000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true", help="compile the decode step (policies with a fixed capacity)")
+    add_compile_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="JSON-lines file that receives the result")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import models, weights
 from ..cluster import INSTALL, LOCAL
+from ..compiled import MODES
 from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..grid import METRICS, Cell, LocalPool, Worker, run_grid
@@ -253,13 +254,25 @@ def needle_table(rows: list[dict]) -> str:
 def add_model_argument(parser: argparse.ArgumentParser, several_weights: bool = False) -> None:
     """``--model`` and ``--weights`` (one format, or with ``several_weights`` a comma-separated list)."""
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
-    formats = "|".join(weights.FORMATS)
+    formats = "|".join((weights.AUTO, *weights.FORMATS))
     parser.add_argument(
         "--weights",
-        default=weights.DEFAULT_FORMAT,
+        default=weights.AUTO,
         metavar="FORMAT[,FORMAT...]" if several_weights else formats,
         help=("weight formats to compare, comma-separated: " if several_weights else "")
-        + f"how the Linear weights are stored and multiplied; K/V stays fp32 (default {weights.DEFAULT_FORMAT})",
+        + "how the Linear weights are stored and multiplied; K/V stays fp32 (default auto: on a CPU the "
+        "precision the model ships in, int4 for the bundled GGUFs, else int8; fp32 for exactness work)",
+    )
+
+
+def add_compile_argument(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    parser.add_argument(
+        "--compile",
+        choices=MODES,
+        default=default,
+        help="run the decode steps compiled: auto where the policy allows it and its compiled step is built "
+        "(`infinikv prepare --compile`: once per machine, kept under $INFINIKV_HOME), on (build it now if "
+        f"needed), off (default {default})",
     )
 
 

@@ -14,6 +14,7 @@ from ..grid import Cell
 from ..results import budget_text, needle_found, summary
 from .common import (
     GRID_JSON,
+    add_compile_argument,
     add_policy_arguments,
     add_ray_arguments,
     add_run_arguments,
@@ -177,7 +178,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument("--text", default="austen:emma", help="text name or .txt path (default austen:emma)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--continuation", type=int, default=512)
-    p.add_argument("--compile", action="store_true", help="compile the decode steps of policies that allow it")
+    add_compile_argument(p, default="off")
     add_policy_arguments(p, grid=True)
     add_ray_arguments(p)
     p.set_defaults(func=cmd_ppl)

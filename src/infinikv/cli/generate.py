@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from .. import models
-from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..policies import parse_spec
-from .common import add_model_argument, add_policy_arguments, load, mib, prepare, single_policy
+from ..weights import weights_format
+from .common import add_compile_argument, add_model_argument, add_policy_arguments, load, mib, prepare, single_policy
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if any(not p.strip() for p in ([prompts] if isinstance(prompts, str) else prompts)):
         raise InfinikvError("the prompt is empty")
     model, tokenizer = load(args)
-    policy = parse_spec(spec or models.default_policy_spec(model) or {"policy": REFERENCE})
+    policy = parse_spec(spec or models.default_policy_spec(model))
     prepare([policy], model, tokenizer)
     stream = not args.json and isinstance(prompts, str)
 
@@ -78,14 +78,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         for i, text in enumerate(result.texts):
             print(f"--- [{i}] {text}")
-    compiled = f", compiled in {result.compile_seconds:.1f} s" if result.compile_seconds else ""
+    how = f"compiled, ready in {result.compile_seconds:.1f} s" if result.compiled else "eager"
     print(
-        f"[{policy.label()}] {result.new_tokens} tokens in {result.seconds:.2f} s "
-        f"({result.tokens_per_second:.1f} tok/s decode{compiled}), KV held {mib(result.kv_bytes)}, "
+        f"[{policy.label()}, {weights_format(model)} weights] {result.new_tokens} tokens in {result.seconds:.2f} s "
+        f"({result.tokens_per_second:.1f} tok/s decode, {how}), KV held {mib(result.kv_bytes)}, "
         f"attended {100 * result.attended_fraction:.1f}% of tokens",
         file=sys.stderr,
     )
+    if args.compile == "auto" and not result.compiled and policy.compilable:
+        print(f"infinikv: {compile_hint(args)}", file=sys.stderr)
     return 0
+
+
+def compile_hint(args: argparse.Namespace) -> str:
+    """How to get the compiled step that ``--compile auto`` did not find."""
+    flags = " ".join(
+        f"{flag} {value}" for flag, value in (("--model", args.model), ("--weights", args.weights)) if value
+    )
+    return f"decoded eagerly: `infinikv prepare --compile {flags}` builds the compiled step once (about a minute)"
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -100,7 +110,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="compile the decode step (policies with a fixed capacity)")
+    add_compile_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON result object instead of streaming")
     add_policy_arguments(p)
     p.set_defaults(func=run)

@@ -8,10 +8,10 @@ import sys
 
 from .. import models
 from ..cluster import LOCAL
-from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..policies import parse_spec
 from .common import (
+    add_compile_argument,
     add_model_argument,
     add_policy_arguments,
     add_ray_flag,
@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
-    spec = spec or models.default_policy_spec(model) or {"policy": REFERENCE}
+    spec = spec or models.default_policy_spec(model, serving=True)
     app = create_app(model, tokenizer, args.model, spec, say=say, **options)
     print(
         f"infinikv: serving {args.model} on http://{args.host}:{args.port}/v1 (default kv {json.dumps(spec)}, "
@@ -122,7 +122,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     serve_args = ["--kv-memory", args.kv_memory, "--max-queue", str(args.max_queue), "--prepare", args.prepare]
     serve_args += ["--keep-conversations", str(args.keep_conversations), "--weights", args.weights]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
-    serve_args += ["--prefill-chunk", str(args.prefill_chunk)] + (["--compile"] if args.compile else [])
+    serve_args += ["--prefill-chunk", str(args.prefill_chunk), "--compile", args.compile]
     if spec:
         serve_args += ["--policy", spec["policy"]]
         for key in ("budget", "capacity"):
@@ -235,7 +235,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="most prompt tokens prefilled between two decode steps (default 512; fewer while streams run)",
     )
-    p.add_argument("--compile", action="store_true", help="compile decode steps (policies with a fixed capacity)")
+    add_compile_argument(p)
     p.add_argument(
         "--prepare",
         default="",

@@ -58,7 +58,7 @@ def answer(
     batch = Batch(model, policy, max_length=ids.shape[1] + new_tokens)
     if trace is not None:
         trace.watch(batch.cache, [[span]], ids.shape[1] + new_tokens, batch.device)
-    logits = batch.feed(ids.to(batch.device))
+    logits = batch.extend(ids)
     return sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids=[], pad_id=0)[0]
 
 

@@ -37,7 +37,7 @@ def perplexity(
     continuation = ids.shape[1] - context - 1
     batch = Batch(model, policy, compile=compile, max_length=ids.shape[1])
     start = time.perf_counter()
-    batch.feed(ids[:, :context])
+    batch.extend(ids[:, :context])
     nll = torch.zeros((), dtype=torch.float64, device=device)
     steps = tqdm(range(continuation), desc=policy.label(), unit="tok", disable=not progress, leave=False)
     for i in steps:

@@ -34,8 +34,8 @@ def attention_recall(model, ids: torch.Tensor, policy: Policy, context: int, pro
     for index, layer in enumerate(ours.cache.layers):
         layer.observer = lambda query, scaling, positions, mask, i=index: chosen.__setitem__(i, (positions, mask))
     ids = ids.to(truth.device)
-    truth.feed(ids[:, :context])
-    ours.feed(ids[:, :context])
+    truth.extend(ids[:, :context])
+    ours.extend(ids[:, :context])
     hooks = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules.values()]
     n_layers = len(modules)
     recall, oracle, share = ([[] for _ in range(n_layers)] for _ in range(3))

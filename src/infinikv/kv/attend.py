@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import native
+
 QUERY_CHUNK = 1024  # queries per block when attention weights are materialised
 
 
@@ -14,6 +16,35 @@ def grouped(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     """(b, H, q, d) -> (b, h, g, q, d): the query heads that share each KV head."""
     b, n_heads, q, d = query.shape
     return query.view(b, n_kv_heads, n_heads // n_kv_heads, q, d)
+
+
+def runs_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """A decode step's attention can use infinikv's CPU kernel (``native.decode_attention``)."""
+    return (
+        native.ready
+        and query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and query.shape[-1] % 16 == 0
+    )
+
+
+def decode_natively(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scaling: float,
+    want_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per head (query (b, H, 1, d)) through the native kernel: the output (b, H, 1, d)
+    and each slot's probability summed over its KV head's query heads (b, h, L) (with ``want_mass``)."""
+    out, mass = torch.ops.infinikv.decode_attention(
+        query[:, :, 0], key, value, None if visible is None else visible[:, :, 0], bias, scaling, want_mass
+    )
+    return out[:, :, None], mass
 
 
 def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -32,6 +63,8 @@ def masked(
     """SDPA over per-KV-head masks: query (b, H, q, d), key/value (b, h, L, d), visible
     (b, h or 1, q or 1, L) bool or None (all visible), bias (b, h, L) or None -> (b, H, q, d)."""
     b, n_heads, q, d = query.shape
+    if q == 1 and runs_natively(query, key, value):
+        return decode_natively(query, key, value, visible, bias, scaling, False)[0]
     n_kv = key.shape[1]
     g = n_heads // n_kv
     if visible is not None and visible.shape[1] == 1 and bias is None:  # one mask for every head
@@ -71,6 +104,9 @@ def weighted(
     """
     qg = grouped(query, key.shape[1])
     q = qg.shape[3]
+    if q == 1 and runs_natively(query, key, value):
+        out, mass = decode_natively(query, key, value, visible, bias, scaling, True)
+        return out, mass, mass
     if q == 1:  # a decode step: one block, two matrix products, no copies
         logits = torch.matmul(qg[:, :, :, 0], key.transpose(-1, -2)) * scaling  # (b, h, g, L)
         if bias is not None:

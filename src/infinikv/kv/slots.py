@@ -23,10 +23,12 @@ import torch
 @dataclass(frozen=True)
 class Write:
     """Where the ``q`` new tokens of a forward go: ``[start, start + q)`` of every row when
-    ``contiguous``, else the first free slots of each row; attention then reads ``length`` slots."""
+    ``contiguous``, else the first free slots of each row; attention then reads ``length`` slots
+    (None: every slot of storage allocated once, so that slicing by it never names the storage's
+    size, and a compiled step serves any capacity)."""
 
     q: int
-    length: int
+    length: int | None
     contiguous: bool
     start: int = 0
 
@@ -120,7 +122,8 @@ class Slots:
         if most_free == 0 and not self.static:  # no row has a hole: append
             write = Write(q, self.n + q, contiguous=True, start=self.n)
         else:  # fill each row's holes first, then fresh slots
-            write = Write(q, max(reach, self.size) if self.static else reach, contiguous=False)
+            every = self.static and reach <= self.size
+            write = Write(q, None if every else max(reach, self.size) if self.static else reach, contiguous=False)
         self.n = reach
         self.held = [h + r for h, r in zip(self.held, real, strict=True)]
         return write
@@ -165,7 +168,7 @@ class Slots:
         """
         if not self.ready:
             self.allocate(key_states, value_states, self.size or max(write.length, 16))
-        if write.length > self.allocated:
+        if write.length is not None and write.length > self.allocated:
             self._make_room(write.length)
         b, h, q, _ = key_states.shape
         valid = True if real is None else real[:, None, :].expand(b, h, q)
@@ -185,10 +188,11 @@ class Slots:
         valid = self.state["valid"][:, :, : write.length]
         if write.q == 1:
             return valid.to(torch.int32).argmin(-1, keepdim=True)  # (inductor mis-reduces uint8)
-        order = valid.long() * write.length + torch.arange(write.length, device=valid.device)
+        length = valid.shape[-1]
+        order = valid.long() * length + torch.arange(length, device=valid.device)
         return order.topk(write.q, dim=-1, largest=False).indices
 
-    def view(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(self, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` slots' K/V for attention."""
         return self.keys[:, :, :length], self.values[:, :, :length]
 

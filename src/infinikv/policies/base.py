@@ -22,6 +22,12 @@ from .window import window_layer
 
 Reader = Callable[[str, int], torch.Tensor]  # a text's name and a token count -> its first tokens (1, n)
 
+# Tokens per prefill forward on a CPU (measured, SmolLM2 int4, 8,000-token prompt: see the README's
+# prefill table): a chunk long enough to keep the weight products efficient, short enough that
+# its attention and temporaries stay small.
+PREFILL_CHUNK = 512
+PREFILL = Option("prefill_chunk", int, 0, "tokens per prefill forward; 0: the policy's own choice", lambda n: n >= 0)
+
 
 class Policy(ABC):
     """A KV policy: its name, budget and options, the parts of each layer, and its capabilities.
@@ -57,7 +63,12 @@ class Policy(ABC):
 
     @classmethod
     def all_options(cls) -> tuple[Option, ...]:
-        """The options this policy takes (``options``, plus any a policy gathers from its parts)."""
+        """The options this policy takes: its parts' (``part_options``) and ``--prefill-chunk``."""
+        return cls.part_options() + (PREFILL,)
+
+    @classmethod
+    def part_options(cls) -> tuple[Option, ...]:
+        """``options``, plus any a policy gathers from its parts."""
         return cls.options
 
     # -- building ----------------------------------------------------------------------------
@@ -81,6 +92,11 @@ class Policy(ABC):
         raise InfinikvError(f"policy {self.label()!r} cannot be compiled (its cache shapes change as it runs)")
 
     # -- capabilities ------------------------------------------------------------------------
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
+        """Tokens per prefill forward for a prompt of ``prompt_tokens``: ``--prefill-chunk``, else
+        ``PREFILL_CHUNK`` (a policy that keeps fewer tokens reads no more than it keeps)."""
+        return self.params["prefill_chunk"] or PREFILL_CHUNK
+
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most tokens a layer holds for one request (see ``Budget.worst_case``)."""
         total = prompt_tokens + max_new_tokens
@@ -167,8 +183,22 @@ class Evicting(Policy):
         return self.budget is not None and self.budget.tokens is not None
 
     @classmethod
-    def all_options(cls) -> tuple[Option, ...]:
+    def part_options(cls) -> tuple[Option, ...]:
         return cls.options + cls.rule.options
+
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
+        """No more than a fixed capacity, so the storage holds at most capacity + chunk tokens (a
+        ``--budget`` fraction keeps the default chunk: a prompt's chunks then never depend on its
+        length, and a batch's rows are cut as each would be alone)."""
+        budget = self.kept(model)
+        chunk = super().prefill_chunk(model, prompt_tokens)
+        if self.params["prefill_chunk"] or budget is None or budget.tokens is None:
+            return chunk
+        return min(chunk, budget.tokens)
+
+    def kept(self, model: torch.nn.Module) -> Budget | None:
+        """The budget of tokens each layer keeps on ``model``."""
+        return self.budget
 
     def make_rule(self, rule: type[Rule] | None = None) -> Rule:
         rule = rule or self.rule

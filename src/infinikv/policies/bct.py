@@ -50,8 +50,11 @@ class BoundedCache(Evicting):
     )
 
     @classmethod
-    def all_options(cls) -> tuple[Option, ...]:
+    def part_options(cls) -> tuple[Option, ...]:
         return cls.options + tuple(rule_options().values())
+
+    def kept(self, model: torch.nn.Module) -> Budget | None:
+        return self.resolve(model.config)
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
         self.kv_bytes = parse_bytes(self.params["kv_memory"]) if self.params["kv_memory"] else None

@@ -39,9 +39,12 @@ class Recall(Policy):
         self.seeker = InfiniGen(**{k: v for k, v in self.given.items() if k not in fast})
 
     @classmethod
-    def all_options(cls) -> tuple[Option, ...]:
-        fast = tuple(o for o in BoundedCache.all_options() if o.name != NUMBERED_AS_SEEN)
+    def part_options(cls) -> tuple[Option, ...]:
+        fast = tuple(o for o in BoundedCache.part_options() if o.name != NUMBERED_AS_SEEN)
         return fast + tuple(o for o in InfiniGen.options if o.name not in UNBOUNDED_POOL)
+
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
+        return self.fast.prefill_chunk(model, prompt_tokens)  # no more than its fast tier keeps
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:
         if budget is None and capacity is None and not self.params["kv_memory"]:

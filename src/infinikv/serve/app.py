@@ -116,7 +116,7 @@ def create_app(
     max_queue: int,
     api_key: str | None = None,
     prefill_chunk: int = 512,
-    compile: bool = False,
+    compile: bool | str = "auto",
     peers: Peers | None = None,
     prepare: Iterable[dict[str, Any]] = (),
     keep_conversations: int = 16,

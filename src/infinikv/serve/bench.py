@@ -240,7 +240,7 @@ def bench_serve(
         "completed": tally.completed,
         "errors": tally.errors,
         "unfinished": unfinished,
-        "seconds": round(seconds, 2),
+        "seconds": round(seconds, 3),
         "requests_per_second": round(tally.completed / seconds, 3),
         "tokens_per_second": round(tally.tokens / seconds, 2),
         "ttft_p50_ms": percentile_ms(tally.ttft, 50),

@@ -18,7 +18,6 @@ import ray
 from ray import serve
 
 from ..cluster import error_line, gpus_each
-from ..contract import REFERENCE
 from ..errors import InfinikvError
 from .app import PUBLISH_SECONDS, create_app
 
@@ -75,7 +74,7 @@ class Replica:
             torch.set_num_threads(threads)
         model, tokenizer = models.load_model(model_name, device=device, weights=weights)
         name = serve.get_replica_context().replica_id.unique_id
-        default_kv = app_options["default_kv"] or models.default_policy_spec(model) or {"policy": REFERENCE}
+        default_kv = app_options["default_kv"] or models.default_policy_spec(model, serving=True)
         options = {**app_options, "default_kv": default_kv}
         self.asgi = create_app(model, tokenizer, model_name, peers=BoardPeers(board, name), **options)
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..compiled import resolve
 from ..core import Batch, Sampling, next_tokens, step_together
 from ..engine import end_of_sequence_ids
 from ..errors import InfinikvError
@@ -112,7 +113,7 @@ class Scheduler:
         kv_memory: int,
         max_queue: int,
         prefill_chunk: int = 512,
-        compile: bool = False,
+        compile: bool | str = "auto",
         keep_conversations: int = 16,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -277,7 +278,8 @@ class Scheduler:
                 seq.batch, seq.prefilled, seq.resumed = seq.resumed.batch, seq.reused, None
             else:
                 length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
-                seq.batch = Batch(self.model, seq.policy, self.compile and seq.policy.compilable, max_length=length)
+                compile = resolve(self.compile, self.model, seq.policy, 1, length) and seq.policy.compilable
+                seq.batch = Batch(self.model, seq.policy, compile, max_length=length)
                 seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
