@@ -76,6 +76,20 @@ def test_decode_attention_with_one_mask_for_every_head_and_a_split_with_nothing_
     assert float(mass[..., 100:].abs().max()) == 0.0
 
 
+def test_lowest_slot_picks_the_lowest_valid_newest_first():
+    torch.manual_seed(0)
+    scores = torch.randint(0, 4, (2, 3, 300)).float()  # many ties
+    scores[0, 0, :50] = float("inf")  # never to be evicted, but before an empty slot
+    valid = torch.rand(2, 3, 300) > 0.3
+    valid[0, 0] = False
+    valid[0, 0, :50] = True
+    valid[1, 2] = False  # nothing held
+    position = torch.randperm(300).expand(2, 3, 300).contiguous()
+    victims, held = torch.ops.infinikv.lowest_slot(scores, valid, position)
+    expected, count = native.lowest_slot_reference(scores, valid, position)
+    assert torch.equal(held, count) and torch.equal(victims[:, :, 0][valid.any(-1)], expected[:, :, 0][valid.any(-1)])
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama's and Qwen's norm; Gemma's (1 + weight)
 def test_rms_norm(offset):
     torch.manual_seed(0)

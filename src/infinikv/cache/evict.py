@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..contract import Budget, Rule, Scoring
 from ..kv.rope import Renumbering
 from ..kv.slots import Slots, StateSpec
@@ -36,6 +37,14 @@ class Eviction:
 
 
 NOTHING = Eviction()
+
+
+def lowest_slot(scores: torch.Tensor, valid: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row and KV head's next victim and its count of valid slots, (b, h, 1) each
+    (``native.lowest_slot_reference``), by the native kernel where it runs."""
+    if native.ready and scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.stride(-1) == 1:
+        return torch.ops.infinikv.lowest_slot(scores, valid, position)
+    return native.lowest_slot_reference(scores, valid, position)
 
 
 class Evictor:
@@ -125,18 +134,17 @@ class Evictor:
         O(capacity) for a decode step. ``newest`` (b,) the position of each row's newest token."""
         valid = slots.state["valid"][:, :, :length]
         scores = self.rule.scores(slots, Scoring(length, self.capacity, newest.view(-1, 1, 1)))
-        scores = scores.clamp(max=FLOAT_MAX).masked_fill(~valid, math.inf)  # never pick an empty slot
         position = slots.state["position"][:, :, :length]
+        take = self.take
         if eviction.count == 1:  # the lowest score; among equal scores, the newest token
-            lowest = scores == scores.amin(-1, keepdim=True)
-            victims = position.masked_fill(~lowest, -1).argmax(-1, keepdim=True)
+            victims, held = lowest_slot(scores, valid, position)
+            if eviction.on_device:  # the plan always has one victim: drop it only where the row is over
+                take = held > self.capacity
         else:  # a chunk: the same order, by two stable sorts
+            scores = scores.clamp(max=FLOAT_MAX).masked_fill(~valid, math.inf)  # never pick an empty slot
             by_age = position.argsort(dim=-1, descending=True, stable=True)
             order = scores.gather(-1, by_age).argsort(dim=-1, stable=True)[..., : eviction.count]
             victims = by_age.gather(-1, order)
-        take = self.take
-        if eviction.on_device:  # the plan always has one victim: drop it only where the row is over
-            take = valid.sum(-1, keepdim=True) > self.capacity
         if self.renumbering is not None:
             ranked = eviction.ranked if eviction.ranked is not None else self.ranked_rows
             after = slots.state[Renumbering.STATE][:, :, :length]

@@ -111,6 +111,11 @@ def _register_fakes() -> None:
         mass = query.new_empty(b, n_kv, length) if want_mass else query.new_empty(0)
         return query.new_empty(query.shape), mass
 
+    @torch.library.register_fake(lib + "lowest_slot")
+    def _(scores, valid, position):
+        shape = (*scores.shape[:2], 1)
+        return position.new_empty(shape), position.new_empty(shape)
+
     @torch.library.register_fake(lib + "rms_norm")
     def _(x, weight, eps, offset):
         return torch.empty_like(x)
@@ -177,6 +182,17 @@ def decode_attention_reference(
     probs = logits.softmax(-1)
     out = torch.matmul(probs, values).reshape(b, n_heads, d)
     return out, probs.sum(2) if want_mass else query.new_empty(0)
+
+
+def lowest_slot_reference(
+    scores: torch.Tensor, valid: torch.Tensor, position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid slot with the lowest score (above float's max: its max), the newest among equal
+    scores, and the valid slots' count, per row and KV head: (b, h, L) -> (b, h, 1) each."""
+    scores = scores.clamp(max=torch.finfo(torch.float32).max).masked_fill(~valid, float("inf"))
+    lowest = scores == scores.amin(-1, keepdim=True)
+    victims = position.masked_fill(~lowest, torch.iinfo(torch.long).min).argmax(-1, keepdim=True)
+    return victims, valid.sum(-1, keepdim=True)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

@@ -163,6 +163,11 @@ void int4_block(const float* x, int64_t K, const float* group_sums, const uint8_
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const uint8_t* bytes = w + (n0 + r) * (K / 2) + g * (GROUP / 2);
+#ifdef INFINIKV_SIMD
+      // the next block's rows, a few groups ahead: rows lie far apart, further than the hardware
+      // prefetcher follows (measured: every layer's products, cold, 3.8 against 4.8 ms a step)
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + R * (K / 2)), _MM_HINT_T0);
+#endif
       vf lo[C], hi[C];
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) nibbles(bytes + c * W, lo[c], hi[c]);
@@ -437,6 +442,44 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_, const 
   return {out, mass};
 }
 
+// The slot each (row, KV head) evicts next: the valid slot with the lowest score (scores above
+// float's max count as its max, so a slot never to be evicted still goes before an empty one), the
+// newest among equal scores; and how many slots are valid. scores [b, h, L] float, valid [b, h, L]
+// bool, position [b, h, L] int64 (each with its last dim contiguous) -> victims, held [b, h, 1] int64.
+// One pass, where the torch reference takes five (a min, a compare, a masked argmax, a sum).
+std::tuple<at::Tensor, at::Tensor> lowest_slot(const at::Tensor& scores, const at::Tensor& valid,
+                                               const at::Tensor& position) {
+  check_cpu_float(scores, "scores");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && position.scalar_type() == at::kLong, "lowest_slot: dtypes");
+  TORCH_CHECK(scores.stride(2) == 1 && valid.stride(2) == 1 && position.stride(2) == 1, "lowest_slot: layout");
+  const int64_t b = scores.size(0), h = scores.size(1), L = scores.size(2);
+  auto victims = at::empty({b, h, 1}, position.options());
+  auto held = at::empty({b, h, 1}, position.options());
+  const float* sp = scores.data_ptr<float>();
+  const bool* vp = valid.data_ptr<bool>();
+  const int64_t* pp = position.data_ptr<int64_t>();
+  int64_t* out = victims.data_ptr<int64_t>();
+  int64_t* count = held.data_ptr<int64_t>();
+  const float top = std::numeric_limits<float>::max(), empty = std::numeric_limits<float>::infinity();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t hi = 0; hi < h; ++hi) {
+      const float* sr = sp + bi * scores.stride(0) + hi * scores.stride(1);
+      const bool* vr = vp + bi * valid.stride(0) + hi * valid.stride(1);
+      const int64_t* pr = pp + bi * position.stride(0) + hi * position.stride(1);
+      float best = empty;
+      int64_t slot = 0, newest = std::numeric_limits<int64_t>::min(), n = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        const float score = vr[l] ? std::min(sr[l], top) : empty;
+        n += vr[l];
+        if (score < best || (score == best && pr[l] > newest)) best = score, slot = l, newest = pr[l];
+      }
+      out[bi * h + hi] = slot;
+      count[bi * h + hi] = n;
+    }
+  }
+  return {victims, held};
+}
+
 // RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (weight + offset) (offset 1 for Gemma's).
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight, double eps, double offset) {
   check_cpu_float(x_, "x");
@@ -476,6 +519,7 @@ TORCH_LIBRARY(infinikv, m) {
       "decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? visible, Tensor? bias, float scale, "
       "bool want_mass) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
+  m.def("lowest_slot(Tensor scores, Tensor valid, Tensor position) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(infinikv, CPU, m) {
@@ -483,4 +527,5 @@ TORCH_LIBRARY_IMPL(infinikv, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("lowest_slot", &lowest_slot);
 }
