@@ -266,7 +266,13 @@ SPEED_FIELDS = {
 
 
 def test_bench_speed_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
-    out_file, plot = tmp_path / "speed.json", tmp_path / "speed.png"
+    out_file, plot, peer = tmp_path / "speed.json", tmp_path / "speed.png", tmp_path / "peer.jsonl"
+    peer.write_text(
+        "".join(
+            json.dumps({"peer": "llama.cpp", "context": c, "ms_per_step": 2.0, "prefill_s": 0.5}) + "\n"
+            for c in (128, 256)
+        )
+    )
     code, out, _ = run(
         capsys,
         "bench",
@@ -289,9 +295,17 @@ def test_bench_speed_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
         str(tmp_path / "speed.jsonl"),
         "--plot",
         str(plot),
+        "--peer",
+        str(peer),
         "--quiet",
     )
     rows = json.loads(out_file.read_text())
+    peers, rows = rows[:2], rows[2:]  # the peer's rows lead the JSON, table and plot
+    assert [(r["label"], r["context"], r["prompt_tokens_per_second"]) for r in peers] == [
+        ("llama.cpp (peer)", 128, 256.0),
+        ("llama.cpp (peer)", 256, 512.0),
+    ]
+    assert all(r["ratio_to_peer"] == pytest.approx(2.0 / r["ms_per_step"], rel=1e-2) for r in rows)
     policies = ("hf-dynamic", "full", "quant", "h2o", "offload", "infinigen")
     assert code == 0 and [(r["context"], r["policy"]) for r in rows] == [(c, p) for c in (128, 256) for p in policies]
     assert [json.loads(line) for line in (tmp_path / "speed.jsonl").read_text().splitlines()] == rows
@@ -319,7 +333,7 @@ def test_bench_speed_end_to_end_on_a_tiny_model(capsys, tmp_path, tiny_folder):
     # the floor counts the bytes a step touches: less K/V for h2o than full, more traffic for offload
     by = {(r["context"], r["policy"]): r["floor_ms_per_step"] for r in rows}
     assert by[256, "h2o"] < by[256, "full"] < by[256, "offload"]
-    assert plot.stat().st_size > 10_000 and "floor ms" in out and "speculate" in out
+    assert plot.stat().st_size > 10_000 and "floor ms" in out and "speculate" in out and "llama.cpp (peer)" in out
 
 
 def test_bench_generation_reports_flat_windows_on_a_tiny_model(capsys, tmp_path, tiny_folder):

@@ -34,7 +34,8 @@ def speed_plot(rows: list[dict], out: Path) -> Path:
         x = [r["context"] for r in cells]
         color = f"C{i % 10}"
         top.plot(x, [r["ms_per_step"] for r in cells], marker="o", color=color, label=name)
-        top.plot(x, [r["floor_ms_per_step"] for r in cells], linestyle="--", color=color, linewidth=1)
+        if all("floor_ms_per_step" in r for r in cells):  # the peer's rows carry no floor
+            top.plot(x, [r["floor_ms_per_step"] for r in cells], linestyle="--", color=color, linewidth=1)
         if all(r.get("ratio_to_full") for r in cells):
             bottom.plot(x, [r["ratio_to_full"] for r in cells], marker="o", color=color, label=name)
     top.set_ylabel("ms per decode step (dashed: memory-bandwidth floor)")

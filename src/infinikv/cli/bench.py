@@ -118,13 +118,11 @@ def cmd_speed(args: argparse.Namespace) -> int:
     )
     for row in cells:  # a context's cells finish together (they are interleaved): save each as it lands
         row["text"] = args.text
+        compare_with_peer([row], peers)
         rows.append(row)
         append_row(out, row)
         if args.json:
             Path(args.json).write_text(json.dumps(peers + rows, indent=2))
-    compare_with_peer(rows, peers)
-    if args.json:
-        Path(args.json).write_text(json.dumps(peers + rows, indent=2))
     if args.plot:
         from ..bench.plots import speed_plot
 
@@ -365,9 +363,11 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
+        nargs="?",
+        const="both",
         default="auto",
         help="auto (default): each policy as generate runs it (compiled where its step is built); on: compile "
-        "every policy that can be; off; both: eager and compiled side by side",
+        "every policy that can be; off; both (a bare --compile): eager and compiled side by side",
     )
     p.add_argument("--json", help="write the results to this JSON file (updated as cells finish)")
     p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")

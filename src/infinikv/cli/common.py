@@ -269,10 +269,12 @@ def add_compile_argument(parser: argparse.ArgumentParser, default: str = "auto")
     parser.add_argument(
         "--compile",
         choices=MODES,
+        nargs="?",
+        const="on",
         default=default,
         help="run the decode steps compiled: auto where the policy allows it and its compiled step is built "
         "(`infinikv prepare --compile`: once per machine, kept under $INFINIKV_HOME), on (build it now if "
-        f"needed), off (default {default})",
+        f"needed; a bare --compile), off (default {default})",
     )
 
 

@@ -197,7 +197,3 @@ def lowest_slot_reference(
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + offset)
-
-
-if __name__ == "__main__":  # `python -m infinikv.native`: build now (make's set-up step)
-    print(f"native kernels: {'ready in ' + str(build_dir()) if available() else 'unavailable'}", file=sys.stderr)
