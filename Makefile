@@ -1,18 +1,19 @@
 # Two entry points: `make demo` and `make test`. Both set everything up first; re-running
 # them skips every step whose inputs did not change (venv, install, model, texts). The demo
-# installs only what it runs; the tests add the `dev` extra (pytest, ruff, Ray, lm-eval, openai).
+# installs only what it runs; the tests add the `dev` extra (pytest, ruff, Ray, lm-eval, openai, the docs' tools).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.dev-stamp
+DOCS_STAMP := $(VENV)/.docs-stamp
 HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
 # Test processes: each takes cores / workers torch threads (tests/conftest.py); 1 runs in-process.
 # A file's tests stay on one worker (--dist loadfile): tests/test_ray.py counts the Ray processes
 # of the whole machine, so its clusters must not overlap.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test setup setup-dev lint clean
+.PHONY: demo test docs setup setup-dev lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,10 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 
 $(DEV_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[docs]'
 	touch $@
 
 $(HOME_DIR)/models/smollm2-135m/config.json: | $(STAMP)
@@ -48,9 +53,13 @@ demo: setup
 test: setup-dev
 	$(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# The documentation site, from docs/ and the docstrings, into site/ (a broken link fails the build).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests scripts examples setup.py
 	$(BIN)/ruff format --check src tests scripts examples setup.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

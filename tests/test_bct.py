@@ -187,11 +187,26 @@ def test_built_model_round_trip(real, tmp_path):
         )
 
 
-def test_load_model_with_a_capacity():
-    built, _ = load_model("smollm2-135m", kv_capacity=32, update_rule="tova")
+def test_load_model_with_a_capacity(emma_ids):
+    built, tokenizer = load_model("smollm2-135m", kv_capacity=32, update_rule="tova")
     assert default_policy_spec(built) == {"policy": "bct", "capacity": 32, "update_rule": "tova"}
     with pytest.raises(InfinikvError, match="capacity"):
         load_model("smollm2-135m", kv_capacity=0)
+    # transformers' own generate() prefills a long prompt in the policy's chunks (no more than its
+    # capacity), so the cache never holds more than capacity + chunk, and decodes as infinikv's core does
+    assert built.generation_config.prefill_chunk_size == 32
+    ids = emma_ids[:, :150]
+    with torch.inference_mode():
+        out = built.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, return_dict_in_generate=True
+        )
+        per_token = 2 * 3 * 64 * 4  # K and V, 3 KV heads of 64 fp32 values
+        assert out.cache.peak_bytes() <= (32 + 32) * per_token * len(out.cache.layers)
+        batch = Batch(built, make_policy("bct", capacity=32, update_rule="tova"))
+        tokens = [batch.prefill([ids[0].tolist()], tokenizer.pad_token_id).argmax(-1)]
+        for _ in range(7):
+            tokens.append(batch.step(tokens[-1]).argmax(-1))
+    assert out.sequences[0, 150:].tolist() == torch.cat(tokens).tolist()
 
 
 def test_rotations_compose_and_evictions_move_only_older_keys():

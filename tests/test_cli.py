@@ -247,6 +247,8 @@ def test_eval_stream_with_plot(capsys, tmp_path):
     assert [len(r["windows"]) for r in rows] == [3, 3]
     assert rows[0]["windows"][-1]["kv_bytes"] == 64 * 30 * 2 * 3 * 64 * 4  # bct holds exactly its capacity
     assert rows[0]["windows"][-1]["kv_tiers"] == {"held": 64 * 30 * 2 * 3 * 64 * 4}
+    # the peak counts the chunk being read beside the capacity, and stays there (flat)
+    assert {w["peak_kv_bytes"] for w in rows[0]["windows"]} == {(64 + 32) * 30 * 2 * 3 * 64 * 4}
 
 
 SPEED_FIELDS = {
@@ -343,6 +345,7 @@ def test_bench_generation_reports_flat_windows_on_a_tiny_model(capsys, tmp_path,
     row = json.loads(out_file.read_text())
     assert code == 0 and row["tokens"] == 60 and [w["end"] for w in row["windows"]] == [20, 40, 60]
     assert {w["kv_bytes"] for w in row["windows"]} == {16 * 2 * 2 * 32 * 2 * 4}  # full capacity, never more
+    assert {w["peak_kv_bytes"] for w in row["windows"]} == {(16 + 1) * 2 * 2 * 32 * 2 * 4}  # + the token being read
     assert row["last_over_first_rate"] == pytest.approx(
         row["windows"][-1]["tokens_per_second"] / row["windows"][0]["tokens_per_second"], abs=2e-3
     )

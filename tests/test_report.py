@@ -50,7 +50,19 @@ def test_report_from_the_latest_results(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_HOME", str(tmp_path / "home"))
     old, new = results / "speed-1.jsonl", results / "speed-2.jsonl"
     write_jsonl(old, [speed_row(1024, "full", 999.0)])
-    write_jsonl(new, [speed_row(c, p, ms) for c in (1024, 4096) for p, ms in (("full", 100.0), ("offload", 200.0))])
+    peer = {
+        "policy": "peer",
+        "label": "llama.cpp (peer)",
+        "context": 4096,
+        "ms_per_step": 50.0,
+        "tokens_per_second": 20.0,
+    }
+    ours = [
+        speed_row(c, p, ms, ratio_to_peer=50.0 / ms)
+        for c in (1024, 4096)
+        for p, ms in (("full", 100.0), ("offload", 200.0))
+    ]
+    write_jsonl(new, [peer, *ours])
     os.utime(old, (time.time() - 60, time.time() - 60))
     write_jsonl(results / "quality-1.jsonl", quality_rows())
     code = main(["report", "--out-dir", str(tmp_path / "reports")])
@@ -58,7 +70,8 @@ def test_report_from_the_latest_results(capsys, tmp_path, monkeypatch):
     assert code == 0 and capsys.readouterr().out.strip() == str(report)
     text = report.read_text()
     assert "speed-2.jsonl" in text and "999" not in text  # the newest speed file only
-    assert "| 4,096 | offload | 200.0 | 5.0 | 0.50 | 25.0 | 0.12 |" in text
+    assert "| 4,096 | offload | 200.0 | 5.0 | 0.50 | 0.25 | - | 25.0 | 0.12 |" in text
+    assert "| 4,096 | llama.cpp (peer) | 50.0 | 20.0 | - | - | - | - | - |" in text  # a peer's rows: speed only
     assert "- offload: 12% of the floor's speed (8.0x the floor's time)" in text
     assert "| sink | 30.000 (+50.0%) | 22.000 (+10.0%) | - |" in text
     assert "| quant bits=4 | - | - | 21.000 (+5.0%) |" in text

@@ -87,4 +87,14 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
             module.register_forward_pre_hook(_hand_over_cache_layer, with_kwargs=True)
     if _default_policy_cache not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_default_policy_cache, with_kwargs=True)
+    if spec := getattr(model.config, POLICY_CONFIG_KEY, None):
+        chunk_generate_prefill(model, parse_spec(spec))
     return model
+
+
+def chunk_generate_prefill(model: torch.nn.Module, policy) -> None:
+    """transformers' own ``generate()`` prefills in ``policy``'s chunks (its generation config's
+    ``prefill_chunk_size``), so a model built with a bounded cache holds its capacity plus one
+    chunk while it reads a long prompt, not the whole prompt."""
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.prefill_chunk_size = policy.prefill_chunk(model, None)

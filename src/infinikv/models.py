@@ -407,11 +407,13 @@ def load_model(
 
 def set_default_policy(model: torch.nn.Module, policy) -> None:
     """Make ``policy`` the model's own (kept in ``config.json``): its ``generate()`` uses it
-    whenever no cache is passed, and ``infinikv`` commands default to it."""
-    from .attention import POLICY_CONFIG_KEY
+    whenever no cache is passed, prefilling in the policy's chunks, and ``infinikv`` commands
+    default to it."""
+    from .attention import POLICY_CONFIG_KEY, chunk_generate_prefill
 
     policy.make_cache(model)  # refuse, now, a policy that cannot run on this model
     setattr(model.config, POLICY_CONFIG_KEY, policy.spec())
+    chunk_generate_prefill(model, policy)
 
 
 def own_policy_spec(model: torch.nn.Module) -> dict | None:

@@ -8,6 +8,7 @@ import statistics
 
 from .contract import REFERENCE
 
+PEER = "peer"  # the policy field of a peer's rows (another engine, measured by its own script)
 LABEL_PARAMS = ("update_rule", "bits", "alpha")  # the parameters that tell two cells of a policy apart
 
 
@@ -27,6 +28,12 @@ def row_label(row: dict) -> str:
     if row.get("budget"):
         return f"{label(row)} {row['budget']:g}"
     return f"{label(row)} {row['capacity']}t" if row.get("capacity") else label(row)
+
+
+def run_label(row: dict) -> str:
+    """``row_label`` with how the row ran: its weights format (unless fp32) and ``(compiled)``."""
+    weights = f" [{row['weights']}]" if row.get("weights", "fp32") != "fp32" else ""
+    return row_label(row) + weights + (" (compiled)" if row.get("compiled") else "")
 
 
 def budget_text(row: dict) -> str:

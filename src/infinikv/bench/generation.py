@@ -60,6 +60,7 @@ def long_generation(
                     "tokens_per_second": round(timed / (now - started[0]), 3),
                     "rss_bytes": process.memory_info().rss,
                     "kv_bytes": batch.cache.held_bytes(),
+                    "peak_kv_bytes": batch.cache.peak_bytes(),  # so far, the prompt's chunks included
                     "kv_tiers": batch.cache.tier_bytes(),
                     "characters": chars[0],
                 }

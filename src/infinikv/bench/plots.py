@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..results import label, row_label
+from ..results import label, row_label, run_label
 
 
 def _pyplot():
@@ -29,8 +29,8 @@ def speed_plot(rows: list[dict], out: Path) -> Path:
     """ms per decode step by context, each policy with its floor (dashed), and the ratio to full."""
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
-    for i, name in enumerate(dict.fromkeys(row_label(r) for r in rows)):
-        cells = sorted((r for r in rows if row_label(r) == name), key=lambda r: r["context"])
+    for i, name in enumerate(dict.fromkeys(run_label(r) for r in rows)):
+        cells = sorted((r for r in rows if run_label(r) == name), key=lambda r: r["context"])
         x = [r["context"] for r in cells]
         color = f"C{i % 10}"
         top.plot(x, [r["ms_per_step"] for r in cells], marker="o", color=color, label=name)

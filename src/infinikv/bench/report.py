@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..contract import REFERENCE
-from ..results import label, leaderboard, row_label
+from ..results import PEER, label, leaderboard, row_label, run_label
 from .plots import needle_heatmap, perplexity_plot, ruler_heatmap, speed_plot
 
 
@@ -22,31 +22,45 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _cell(row: dict, key: str, spec: str, scale: float = 1.0) -> str:
+    return format(row[key] / scale, spec) if row.get(key) is not None else "-"
+
+
 def speed_section(rows: list[dict]) -> list[str]:
-    """The speed table (ratios to full, floor, efficiency) and how far each policy is from its floor."""
-    first = rows[0]
+    """The speed table (ratios to full and to a peer, floor, efficiency) and how far each policy is
+    from its floor. A peer's rows (``bench speed --peer``) carry only their speeds."""
+    ours = [r for r in rows if r.get("policy") != PEER]
+    first = ours[0]
+    columns = [
+        ("ms/step", "ms_per_step", ".1f", 1),
+        ("tokens/s", "tokens_per_second", ".1f", 1),
+        ("x full", "ratio_to_full", ".2f", 1),
+        ("x peer", "ratio_to_peer", ".2f", 1),
+        ("prompt tokens/s", "prompt_tokens_per_second", ".0f", 1),
+        ("floor ms", "floor_ms_per_step", ".1f", 1),
+        ("efficiency", "efficiency", ".2f", 1),
+        ("KV held MiB", "kv_bytes", ".1f", 2**20),
+        ("moved MiB/step", "bytes_moved_per_step", ".1f", 2**20),
+        ("peak RSS MiB", "peak_rss_bytes", ".0f", 2**20),
+    ]
     lines = [
         "## Speed",
         "",
         f"Median ms per decode step, policies interleaved in one process; {first['threads']} threads, STREAM-triad "
         f"bandwidth {first['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights {_mib(first['weights_bytes'])} MiB. "
         "The floor is the bytes a step must read (weights, the K/V it attends, and twice what it copies from a "
-        "slow tier) over that bandwidth; efficiency = floor / measured.",
+        "slow tier) over that bandwidth; efficiency = floor / measured. x full and x peer: their time over ours "
+        "at the same context (above 1: ours is faster).",
         "",
-        "| context | policy | ms/step | tokens/s | x full | floor ms | efficiency | KV held MiB | moved MiB/step "
-        "| peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| context | policy | " + " | ".join(c[0] for c in columns) + " |",
+        "|---" * (len(columns) + 2) + "|",
     ]
     for r in rows:
-        ratio = f"{r['ratio_to_full']:.2f}" if r.get("ratio_to_full") else "-"
-        lines.append(
-            f"| {r['context']:,} | {row_label(r)} | {r['ms_per_step']:.1f} | {r['tokens_per_second']:.1f} | {ratio} "
-            f"| {r['floor_ms_per_step']:.1f} | {r['efficiency']:.2f} | {_mib(r['kv_bytes'])} "
-            f"| {_mib(r['bytes_moved_per_step'])} | {r['peak_rss_bytes'] / 2**20:.0f} |"
-        )
+        cells = [_cell(r, key, spec, scale) for _, key, spec, scale in columns]
+        lines.append(f"| {r['context']:,} | {run_label(r)} | " + " | ".join(cells) + " |")
     lines += ["", "How far from the floor (median over contexts):", ""]
-    for name in dict.fromkeys(row_label(r) for r in rows):
-        eff = statistics.median(r["efficiency"] for r in rows if row_label(r) == name)
+    for name in dict.fromkeys(run_label(r) for r in ours):
+        eff = statistics.median(r["efficiency"] for r in ours if run_label(r) == name)
         lines.append(f"- {name}: {eff:.0%} of the floor's speed ({1 / eff:.1f}x the floor's time)")
     return [*lines, "", "![speed](speed.png)", ""]
 

@@ -19,6 +19,7 @@ from ..contract import REFERENCE
 from ..core import Batch, DynamicBaseline
 from ..errors import InfinikvError
 from ..policies import Policy
+from ..results import PEER
 from ..weights import stored_bytes, weights_format
 
 
@@ -90,7 +91,6 @@ def kv_bytes_attended(cache) -> float:
 
 
 DYNAMIC = "hf-dynamic"  # transformers' own DynamicCache and SDPA attention, the row to beat
-PEER = "peer"  # the policy field of a peer's rows (another engine, measured by its own script)
 
 
 def peer_rows(lines: list[str], source: str) -> list[dict]:

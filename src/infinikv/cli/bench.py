@@ -15,7 +15,7 @@ from ..errors import InfinikvError
 from ..grid import PROTOCOLS
 from ..paths import home
 from ..policies import parse_spec
-from ..results import budget_text
+from ..results import run_label
 from ..weights import check_format
 from .common import (
     add_compile_argument,
@@ -136,7 +136,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
         p = r.get("profile_ms")
         if p:
             print(
-                f"{r['context']:>8} {run_label(r):<36} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
+                f"{r['context']:>8} {run_label(r):<40} {p.get('speculate', 0):>9.2f} {p.get('fetch', 0):>9.2f} "
                 f"{p.get('attend', 0):>9.2f} {p['rest']:>9.2f} {p.get('speculate', 0) / sum(p.values()):>7.1%} "
                 f"{r['weights_floor_ms']:>9.2f}"
             )
@@ -156,7 +156,7 @@ def speed_table(rows: list[dict]) -> str:
     """ms per decode step and prompt tokens/s, each run beside its floor, ``full`` and the peer."""
     columns = [("ms/step", 9), ("tok/s", 8), ("x full", 7), ("x peer", 7), ("x fp32", 7), ("floor ms", 9)]
     columns += [("eff.", 6), ("prompt/s", 9), ("KV MiB", 8), ("RSS MiB", 8)]
-    lines = [f"{'context':>8} {'policy':<36} {'budget':>8} " + " ".join(f"{n:>{w}}" for n, w in columns)]
+    lines = [f"{'context':>8} {'policy':<40} " + " ".join(f"{n:>{w}}" for n, w in columns)]
 
     def number(row: dict, key: str, spec: str, scale: float = 1.0) -> str:
         return format(row[key] / scale, spec) if row.get(key) is not None else "-"
@@ -175,7 +175,7 @@ def speed_table(rows: list[dict]) -> str:
             number(r, "peak_rss_bytes", ".0f", 2**20),
         ]
         lines.append(
-            f"{r['context']:>8} {run_label(r):<36} {budget_text(r):>8} "
+            f"{r['context']:>8} {run_label(r):<40} "
             + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))
         )
     return "\n".join(lines)
@@ -198,22 +198,17 @@ def cmd_generation(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(row, indent=2))
         return 0
-    print(f"{'tokens':>9} {'tok/s':>8} {'RSS MiB':>8} {'KV MiB':>8}")
+    print(f"{'tokens':>9} {'tok/s':>8} {'RSS MiB':>8} {'KV MiB':>8} {'peak KV':>8}")
     for w in row["windows"]:
         print(
             f"{w['end']:>9,} {w['tokens_per_second']:>8.2f} {w['rss_bytes'] / 2**20:>8.0f} "
-            f"{w['kv_bytes'] / 2**20:>8.1f}"
+            f"{w['kv_bytes'] / 2**20:>8.1f} {w['peak_kv_bytes'] / 2**20:>8.1f}"
         )
     print(
         f"{policy.label()}: last window {row['last_over_first_rate']:.3f}x the first's rate, peak RSS "
         f"{100 * row['peak_rss_growth']:+.1f}% over the first window's; results -> {out}"
     )
     return 0
-
-
-def run_label(row: dict) -> str:
-    weights = f" [{row['weights']}]" if row.get("weights", "fp32") != "fp32" else ""
-    return row["label"] + weights + (" (compiled)" if row.get("compiled") else "")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

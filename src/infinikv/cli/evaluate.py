@@ -130,12 +130,12 @@ def cmd_stream(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"{'window':>13} " + " ".join(f"{r['label'] + ' ' + budget_text(r):>24}" for r in rows))
-    print(" " * 14 + " ".join(f"{'ppl':>9} {'RSS MiB':>8} {'KV MiB':>6}" for _ in rows))
+    print(" " * 14 + " ".join(f"{'ppl':>9} {'RSS MiB':>8} {'peak KV MiB':>11}" for _ in rows))
     for i, window in enumerate(rows[0]["windows"]):
         cells = []
         for r in rows:
             w = r["windows"][i]
-            cells.append(f"{w['perplexity']:>9.2f} {w['rss_bytes'] / 2**20:>8.0f} {w['kv_bytes'] / 2**20:>6.1f}")
+            cells.append(f"{w['perplexity']:>9.2f} {w['rss_bytes'] / 2**20:>8.0f} {w['peak_kv_bytes'] / 2**20:>11.1f}")
         print(f"{window['start']:>6}-{window['end']:<6} " + " ".join(cells))
     for r in rows:
         print(

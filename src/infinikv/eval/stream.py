@@ -31,8 +31,8 @@ def stream(
     """Run P-stream on ``ids`` (1, T) and return one result object with per-window rows.
 
     Every token but the first is predicted once, by the forward of the chunk that holds the
-    token before it; each window's row has its perplexity, the process RSS at its end and the
-    KV bytes the cache held then.
+    token before it; each window's row has its perplexity, the process RSS at its end, the KV
+    bytes the cache held then and its peak so far (a chunk being read included).
     """
     batch = Batch(model, policy)
     ids = ids.to(batch.device)
@@ -58,6 +58,7 @@ def stream(
                     "perplexity": math.exp(float(nll[first:end].mean())),
                     "rss_bytes": process.memory_info().rss,
                     "kv_bytes": cache.held_bytes(),
+                    "peak_kv_bytes": cache.peak_bytes(),  # so far, the chunk being read included
                     "kv_tiers": cache.tier_bytes(),
                 }
             )

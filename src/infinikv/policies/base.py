@@ -92,9 +92,10 @@ class Policy(ABC):
         raise InfinikvError(f"policy {self.label()!r} cannot be compiled (its cache shapes change as it runs)")
 
     # -- capabilities ------------------------------------------------------------------------
-    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
-        """Tokens per prefill forward for a prompt of ``prompt_tokens``: ``--prefill-chunk``, else
-        ``PREFILL_CHUNK`` (a policy that keeps fewer tokens reads no more than it keeps)."""
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
+        """Tokens per prefill forward for a prompt of ``prompt_tokens`` (None: not known yet, as for
+        transformers' ``generate``): ``--prefill-chunk``, else ``PREFILL_CHUNK`` (a policy that keeps
+        fewer tokens reads no more than it keeps). None: the whole prompt in one forward."""
         return self.params["prefill_chunk"] or PREFILL_CHUNK
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -186,7 +187,7 @@ class Evicting(Policy):
     def part_options(cls) -> tuple[Option, ...]:
         return cls.options + cls.rule.options
 
-    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
         """No more than a fixed capacity, so the storage holds at most capacity + chunk tokens (a
         ``--budget`` fraction keeps the default chunk: a prompt's chunks then never depend on its
         length, and a batch's rows are cut as each would be alone)."""

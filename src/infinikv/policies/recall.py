@@ -43,7 +43,7 @@ class Recall(Policy):
         fast = tuple(o for o in BoundedCache.part_options() if o.name != NUMBERED_AS_SEEN)
         return fast + tuple(o for o in InfiniGen.options if o.name not in UNBOUNDED_POOL)
 
-    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
         return self.fast.prefill_chunk(model, prompt_tokens)  # no more than its fast tier keeps
 
     def make_budget(self, budget: float | None, capacity: int | None) -> Budget | None:

@@ -20,7 +20,9 @@ class SnapKV(Evicting):
     name = "snapkv"
     rule = Question
 
-    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int) -> int:
-        return self.params["prefill_chunk"] or max(1, prompt_tokens)
+    def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
+        if self.params["prefill_chunk"] or prompt_tokens is None:
+            return self.params["prefill_chunk"]  # the question's window must see the whole prompt
+        return max(1, prompt_tokens)
 
     cost = Cost("snapkv", stores=lambda keep, dense: keep, reads=lambda keep, dense: keep, share=("keep", 0.2))
