@@ -1,14 +1,17 @@
-"""The import graph points down: no module imports, however lazily, one that imports it back,
-the subpackages form no cycle among themselves, and the contract imports nothing of infinikv's
-but its error type. Read from the source with ``ast`` (every import, inside functions too; those
+"""The import graph points down: every module imports only from its own layer or those below
+(the layers are the table in docs/architecture.md), no module imports, however lazily, one that
+imports it back, the subpackages form no cycle among themselves, and the contract imports
+nothing of infinikv's but its error type. Read from the source with ``ast`` (every import, inside functions too; those
 under ``if TYPE_CHECKING:`` serve annotations only and do not count)."""
 
 import ast
+import re
 from pathlib import Path
 
 import infinikv
 
 ROOT = Path(infinikv.__file__).parent
+ARCHITECTURE = Path(__file__).parent.parent / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, Path]:
@@ -105,3 +108,36 @@ def test_the_contract_and_storage_know_no_policy():
     for name, targets in edges.items():
         if name.startswith(("infinikv.kv", "infinikv.cache")):
             assert not any(t.startswith("infinikv.policies") for t in targets), name
+
+
+def layers() -> dict[str, int]:
+    """Each subpackage or top-level module's layer, from the table in docs/architecture.md: 0 = top."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("<!-- layers") : text.index("<!-- /layers -->")]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    return {f"infinikv.{name}": depth for depth, row in enumerate(rows) for name in re.findall(r"`(\w+)`", row)}
+
+
+def upward(edges: dict[str, set[str]], depth: dict[str, int]) -> list[str]:
+    """The imports that go from a layer to one above it."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in edges.items()
+        if name != "infinikv"
+        for target in targets
+        if target != "infinikv" and depth[top(target)] < depth[top(name)]
+    )
+
+
+def test_every_import_points_down_the_layers():
+    depth = layers()
+    edges = graph()
+    missing = sorted({top(m) for m in edges if m != "infinikv"} - set(depth))
+    assert not missing, f"not in the layers table of docs/architecture.md: {missing}"
+    assert upward(edges, depth) == []
+
+
+def test_an_upward_import_is_found():
+    depth = layers()
+    assert depth["infinikv.cli"] < depth["infinikv.core"] < depth["infinikv.policies"] < depth["infinikv.kv"]
+    assert upward({"infinikv.kv.slots": {"infinikv.core"}}, depth) == ["infinikv.kv.slots -> infinikv.core"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import InfinikvError
-from . import assets, bench, evaluate, generate, serve
+from . import assets, bench, evaluate, generate, report, serve
 from .common import Parser
 
 
@@ -16,6 +16,7 @@ def build_parser() -> Parser:
     generate.add(sub)
     evaluate.add(sub, Parser)
     benches = bench.add(sub, Parser)
+    report.add(sub)
     serve.add(sub, benches)
     assets.add(sub, Parser)
     return parser
