@@ -27,7 +27,7 @@ from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy
-from .policies.base import PREFILL_CHUNK
+from .policies.base import KEEP_ALL_PREFILL_CHUNK
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -207,7 +207,7 @@ class DynamicBaseline:
     def prefill(self, prompts: Sequence[Sequence[int]], pad_id: int, chunk: int | None = None) -> torch.Tensor:
         (prompt,) = prompts
         ids = torch.tensor([list(prompt)], device=self.device)
-        chunk = chunk or PREFILL_CHUNK
+        chunk = chunk or KEEP_ALL_PREFILL_CHUNK
         for start in range(0, ids.shape[1], chunk):
             logits = self._forward(ids[:, start : start + chunk])
         return logits

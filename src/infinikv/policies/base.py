@@ -22,10 +22,14 @@ from .window import window_layer
 
 Reader = Callable[[str, int], torch.Tensor]  # a text's name and a token count -> its first tokens (1, n)
 
-# Tokens per prefill forward on a CPU (measured, SmolLM2 int4, 8,000-token prompt: see the README's
-# prefill table): a chunk long enough to keep the weight products efficient, short enough that
-# its attention and temporaries stay small.
+# Tokens per prefill forward on a CPU, measured through `infinikv generate` (SmolLM2 int4, an
+# 8,000-token prompt: docs/policies/index.md, "Prefill in chunks"). A policy that evicts reads
+# PREFILL_CHUNK at a time, no more than it keeps: 2.5x faster than one chunk, a seventh of its
+# memory. One that keeps every token holds the prompt's K/V anyway, so it reads up to
+# KEEP_ALL_PREFILL_CHUNK at once: a first chunk runs the causal kernel, 1.26x faster than chunks of
+# 512 (chunk 1,024 to 4,096: no faster), for a third more memory above its K/V.
 PREFILL_CHUNK = 512
+KEEP_ALL_PREFILL_CHUNK = 8192
 PREFILL = Option("prefill_chunk", int, 0, "tokens per prefill forward; 0: the policy's own choice", lambda n: n >= 0)
 
 
@@ -94,9 +98,9 @@ class Policy(ABC):
     # -- capabilities ------------------------------------------------------------------------
     def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
         """Tokens per prefill forward for a prompt of ``prompt_tokens`` (None: not known yet, as for
-        transformers' ``generate``): ``--prefill-chunk``, else ``PREFILL_CHUNK`` (a policy that keeps
-        fewer tokens reads no more than it keeps). None: the whole prompt in one forward."""
-        return self.params["prefill_chunk"] or PREFILL_CHUNK
+        transformers' ``generate``): ``--prefill-chunk``, else ``KEEP_ALL_PREFILL_CHUNK`` (a policy
+        that evicts reads no more than it keeps). None: the whole prompt in one forward."""
+        return self.params["prefill_chunk"] or KEEP_ALL_PREFILL_CHUNK
 
     def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most tokens a layer holds for one request (see ``Budget.worst_case``)."""
@@ -188,14 +192,13 @@ class Evicting(Policy):
         return cls.options + cls.rule.options
 
     def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
-        """No more than a fixed capacity, so the storage holds at most capacity + chunk tokens (a
-        ``--budget`` fraction keeps the default chunk: a prompt's chunks then never depend on its
-        length, and a batch's rows are cut as each would be alone)."""
+        """``PREFILL_CHUNK``, no more than a fixed capacity, so the storage holds at most capacity +
+        chunk tokens (a ``--budget`` fraction keeps ``PREFILL_CHUNK``: a prompt's chunks then never
+        depend on its length, and a batch's rows are cut as each would be alone)."""
         budget = self.kept(model)
-        chunk = super().prefill_chunk(model, prompt_tokens)
         if self.params["prefill_chunk"] or budget is None or budget.tokens is None:
-            return chunk
-        return min(chunk, budget.tokens)
+            return self.params["prefill_chunk"] or PREFILL_CHUNK
+        return min(PREFILL_CHUNK, budget.tokens)
 
     def kept(self, model: torch.nn.Module) -> Budget | None:
         """The budget of tokens each layer keeps on ``model``."""
