@@ -1,6 +1,6 @@
 """What a long prompt costs through ``infinikv generate``: prefill seconds, the process's RSS peak
-above the loaded model (the same command with a two-token prompt), and the cache's own peak K/V,
-in the policy's chunks and in one chunk. One process per run, one run at a time.
+above the loaded model (``generate --json`` reads it), and the cache's own peak K/V, in the
+policy's chunks and in one chunk. One process per run, one run at a time.
 
     .venv/bin/python scripts/prefill_memory.py --policies "bct[capacity=1024],full" \
         --tokens 8000 --one-chunk 8000 --out docs/results/prefill.json
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,18 +25,16 @@ from infinikv.data import load_text
 from infinikv.models import resolve, resolve_weights
 
 
-def run(model: str, policy: str, options: dict, prompt: Path | None, chunk: int) -> tuple[dict, int]:
-    """``infinikv generate`` once; its JSON result and its peak RSS in bytes."""
+def run(model: str, policy: str, options: dict, prompt: Path, chunk: int) -> dict:
+    """``infinikv generate`` once, for one new token; its JSON result."""
     given = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
-    source = ["--prompt-file", str(prompt)] if prompt else ["--prompt", "Hello there"]
+    given += [f"--prefill-chunk={chunk}"] if chunk else []
     command = [sys.executable, "-m", "infinikv.cli", "generate", "--model", model, "--json", "--max-new-tokens", "1"]
-    command += ["--compile", "off", "--policy", policy, *given, *source, "--prefill-chunk", str(chunk)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    out = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    if status:
-        raise SystemExit(f"failed ({status}): {' '.join(command)}")
-    return json.loads(out), usage.ru_maxrss * 1024
+    command += ["--compile", "off", "--policy", policy, *given, "--prompt-file", str(prompt)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"failed: {' '.join(command)}\n{done.stderr}")
+    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -58,17 +55,16 @@ def main() -> None:
     command = "\n".join(filter(None, [before.get("command"), this]))
     with tempfile.TemporaryDirectory() as tmp:
         for policy, options in split_policies(args.policies):
-            _, loaded = run(args.model, policy, options, None, 0)
             for tokens in map(int, args.tokens.split(",")):
                 prompt = Path(tmp) / f"{tokens}.txt"
                 prompt.write_text(tokenizer.decode(ids[2000 : 2000 + tokens]))
                 for chunk in [0] + ([tokens] if tokens == args.one_chunk else []):
-                    result, peak = run(args.model, policy, options, prompt, chunk)
+                    result = run(args.model, policy, options, prompt, chunk)
                     row = {"model": args.model, "weights": weights, "policy": policy}
-                    row |= {k: result.get(k) for k in ("label", "capacity", "budget")}
+                    row |= {k: result.get(k) for k in ("capacity", "budget")}
                     row |= {"prompt_tokens": result["prompt_tokens"][0], "prefill_chunk": chunk}
                     row |= {"prefill_seconds": result["prefill_seconds"], "kv_bytes": result["kv_bytes"]}
-                    row |= {"rss_bytes": peak, "rss_above_model_bytes": peak - loaded}
+                    row |= {k: result[k] for k in ("loaded_rss_bytes", "peak_rss_above_loaded_bytes")}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     keep(rows, args.out, command)

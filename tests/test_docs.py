@@ -1,10 +1,16 @@
 """The documentation site builds, strictly: every page in the nav, every link and anchor resolves,
-every API page's object imports (mkdocstrings)."""
+every API page's object imports (mkdocstrings); the measured tables are generated from their rows."""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from infinikv.bench import pages
+from infinikv.errors import InfinikvError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,3 +32,33 @@ def test_the_readme_links_only_to_pages_that_exist():
     targets = re.findall(r"\]\((docs/[^)#]+)", readme)
     assert targets and all((ROOT / t).is_file() for t in targets), [t for t in targets if not (ROOT / t).is_file()]
     assert len(readme.splitlines()) <= 200
+
+
+def test_every_measured_table_is_generated_from_its_rows():
+    stale = [
+        str(p) for p in pages.pages(ROOT) if pages.render(p.read_text(), ROOT / "docs" / "results", p) != p.read_text()
+    ]
+    assert stale == [], "run: infinikv report --docs"
+    marked = [p for p in pages.pages(ROOT) if "<!-- results:" in p.read_text()]
+    assert len(marked) >= 2  # the README and the speed page at least
+
+
+def test_a_marked_table_is_rewritten_from_its_rows(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    rows = [
+        {"policy": "full", "context": 1024, "ms_per_step": 11.54, "weights": "int4"},
+        {"policy": "peer", "label": "llama.cpp", "context": 1024, "ms_per_step": 12.46},
+    ]
+    pages.keep(rows, tmp_path / "docs" / "results" / "s.json", "infinikv bench speed")
+    page = tmp_path / "docs" / "speed.md"
+    page.write_text("# Speed\n<!-- results: s.json decode -->\nold\n<!-- /results -->\nafter\n")
+    (tmp_path / "README.md").write_text("no tables\n")
+    assert pages.refresh(tmp_path) == [page]
+    text = page.read_text()
+    assert "old" not in text and "| 1,024 | 11.5 | 12.5 |" in text and "full [int4]" in text and "after" in text
+    assert "infinikv bench speed" in text and "(results/s.json)" in text
+    assert pages.refresh(tmp_path) == []  # up to date: nothing rewritten
+    page.write_text("<!-- results: s.json nosuch -->\n<!-- /results -->\n")
+    with pytest.raises(InfinikvError, match="unknown results table"):
+        pages.refresh(tmp_path)
+    assert json.loads((tmp_path / "docs" / "results" / "s.json").read_text())["rows"] == rows

@@ -54,7 +54,7 @@ def prefill_table(rows: list[dict]) -> list[str]:
         chunks = f"chunks of {r['prefill_chunk']:,}" if r["prefill_chunk"] else "the policy's chunks"
         lines.append(
             f"| {run_label(r)} | {r['prompt_tokens']:,} | {chunks} | {r['prefill_seconds']:.1f} | "
-            f"{r['rss_above_model_bytes'] / 2**20:,.0f} | {r['kv_bytes'] / 2**20:,.1f} |"
+            f"{r['peak_rss_above_loaded_bytes'] / 2**20:,.0f} | {r['kv_bytes'] / 2**20:,.1f} |"
         )
     return lines
 

@@ -5,15 +5,14 @@ physical floor: the bytes a decode step must read divided by this machine's memo
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import time
 from collections.abc import Mapping
 
-import psutil
 import torch
 from tqdm import tqdm
 
+from .. import memory
 from ..compiled import resolve
 from ..contract import REFERENCE
 from ..core import Batch, DynamicBaseline
@@ -176,7 +175,6 @@ def bench_speed(
     and ``both`` times each compilable policy eager and compiled side by side.
     """
     variants = dict(model) if isinstance(model, Mapping) else {weights_format(model): model}
-    process = psutil.Process()
     device = next(next(iter(variants.values())).parameters()).device
     ids = ids.to(device)
     triad = Triad(device)
@@ -231,9 +229,7 @@ def bench_speed(
         for k, (d, _) in sorted(runs.items(), key=lambda item: item[1][0]["compiled"]):
             if d["policy"] == REFERENCE:
                 full[d["weights"]] = medians[k]
-        rss = process.memory_info().rss
-        # ru_maxrss is KiB on Linux; the kernel's high-water mark can lag the current RSS by a few pages
-        peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
+        rss, peak_rss = memory.rss(), memory.peak()
         for key, (description, run) in runs.items():
             ms = medians[key]
             if isinstance(run, Batch):

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import models
+from .. import memory, models
 from ..errors import InfinikvError
 from ..policies import parse_spec
 from ..weights import weights_format
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args)
     policy = parse_spec(spec or models.default_policy_spec(model))
     prepare([policy], model, tokenizer)
+    loaded = memory.mark_peak()  # what the prompt and the generation cost comes on top of this
     stream = not args.json and isinstance(prompts, str)
 
     def show(_row: int, piece: str) -> None:
@@ -70,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
         on_text=show if stream else None,
         compile=args.compile,
     )
+    above = memory.peak() - loaded
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        memory_use = {"loaded_rss_bytes": loaded, "peak_rss_above_loaded_bytes": above}
+        print(json.dumps({**result.to_json(), **memory_use}, indent=2))
         return 0
     if stream:
         print()
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[{policy.label()}, {weights_format(model)} weights] {result.new_tokens} tokens in {result.seconds:.2f} s "
         f"({result.tokens_per_second:.1f} tok/s decode, {how}), KV held {mib(result.kv_bytes)}, "
-        f"attended {100 * result.attended_fraction:.1f}% of tokens",
+        f"attended {100 * result.attended_fraction:.1f}% of tokens, peak RSS {mib(above)} above the loaded model",
         file=sys.stderr,
     )
     if args.compile == "auto" and not result.compiled and policy.compilable:

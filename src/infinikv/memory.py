@@ -1,0 +1,35 @@
+"""This process's resident memory: now, and its peak since a mark.
+
+The peak is the kernel's high-water mark, which ``mark_peak`` resets (``/proc/self/clear_refs``,
+Linux 4.0 and later), so a phase's peak (a prefill's) is read apart from the process's whole life:
+loading a model peaks higher than the model then holds, and would hide what the phase costs.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import psutil
+
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def rss() -> int:
+    """Bytes resident now."""
+    return psutil.Process().memory_info().rss
+
+
+def mark_peak() -> int:
+    """Start a new peak here (where the kernel lets a process reset its own); returns ``rss()``."""
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        pass  # no reset: ``peak()`` is then the process's whole-life peak, an upper bound
+    return rss()
+
+
+def peak() -> int:
+    """The most bytes resident since ``mark_peak`` (the kernel's high-water mark can lag the current
+    RSS by a few pages, hence the max)."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
