@@ -80,12 +80,14 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit (``-dirty`` with uncommitted changes), or ``unknown`` outside git."""
+    """The checkout's commit (``-dirty`` when ``src/`` has uncommitted changes, the code that ran
+    not being that commit's), or ``unknown`` outside git."""
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src"], check=False).returncode == 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip()
+    return head.stdout.strip() + ("" if clean else "-dirty")
 
 
 def keep(rows: list[dict], path: Path, command: str) -> None:

@@ -23,11 +23,12 @@ from .window import window_layer
 Reader = Callable[[str, int], torch.Tensor]  # a text's name and a token count -> its first tokens (1, n)
 
 # Tokens per prefill forward on a CPU, measured through `infinikv generate` (SmolLM2 int4, an
-# 8,000-token prompt: docs/policies/index.md, "Prefill in chunks"). A policy that evicts reads
-# PREFILL_CHUNK at a time, no more than it keeps: 2.5x faster than one chunk, a seventh of its
-# memory. One that keeps every token holds the prompt's K/V anyway, so it reads up to
-# KEEP_ALL_PREFILL_CHUNK at once: a first chunk runs the causal kernel, 1.26x faster than chunks of
-# 512 (chunk 1,024 to 4,096: no faster), for a third more memory above its K/V.
+# 8,000-token prompt; the table in docs/policies/index.md, "Prefill in chunks"). A policy that
+# evicts reads PREFILL_CHUNK at a time, no more than it keeps (bct 1,024: 26 s and 277 MiB above the
+# model, against 94 s and 2,030 MiB in one chunk). One that keeps every token holds the prompt's
+# K/V anyway and reads up to KEEP_ALL_PREFILL_CHUNK at once: a first chunk runs the causal kernel
+# (full: 28 s against 36 s in chunks of 512, and chunks of 1,024 to 4,096 were no faster), for
+# temporaries of 880 MiB against 555 MiB.
 PREFILL_CHUNK = 512
 KEEP_ALL_PREFILL_CHUNK = 8192
 PREFILL = Option("prefill_chunk", int, 0, "tokens per prefill forward; 0: the policy's own choice", lambda n: n >= 0)
