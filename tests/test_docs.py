@@ -62,3 +62,38 @@ def test_a_marked_table_is_rewritten_from_its_rows(tmp_path):
     with pytest.raises(InfinikvError, match="unknown results table"):
         pages.refresh(tmp_path)
     assert json.loads((tmp_path / "docs" / "results" / "s.json").read_text())["rows"] == rows
+
+
+def shell_commands(text: str) -> list[str]:
+    """The ``infinikv`` commands in a page's sh/bash/shell code blocks (continuations joined; each
+    part of a pipe, an ``&&`` chain or a background ``&`` on its own; environment assignments
+    before it dropped)."""
+    found = []
+    for block in re.findall(r"```(?:sh|bash|shell)\n(.*?)```", text, re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&?|\|\|?|;", line.split(" #")[0]):
+                words = part.split()
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                    words.pop(0)
+                if words[:1] == ["infinikv"]:
+                    found.append(" ".join(words))
+    return found
+
+
+def test_every_command_in_the_docs_parses():
+    """Each ``infinikv`` command shown in the README or the docs names a command and flags that
+    exist, with values they accept: the command line parser runs on it (a dry run of the flags)."""
+    import shlex
+
+    from infinikv.cli import build_parser
+
+    failures, count = [], 0
+    for page in pages.pages(ROOT):
+        for command in shell_commands(page.read_text()):
+            count += 1
+            argv = [w for w in shlex.split(command.split(">")[0])[1:] if not w.startswith("$(")]
+            try:
+                build_parser().parse_args(argv)
+            except (SystemExit, InfinikvError) as exc:
+                failures.append(f"{page.relative_to(ROOT)}: {command} ({exc})")
+    assert count >= 30 and failures == [], "\n".join(failures)
