@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from infinikv import Batch, load_model, make_policy
+from infinikv.bench.baseline import DynamicBaseline
 from infinikv.bench.speed import bench_speed
-from infinikv.core import DynamicBaseline
 from infinikv.data import load_text
 from infinikv.preparation import ensure_prepared
 

@@ -15,11 +15,12 @@ from tqdm import tqdm
 from .. import memory
 from ..compiled import resolve
 from ..contract import REFERENCE
-from ..core import Batch, DynamicBaseline
+from ..core import Batch
 from ..errors import InfinikvError
 from ..policies import Policy
 from ..results import PEER
 from ..weights import stored_bytes, weights_format
+from .baseline import DynamicBaseline
 
 
 class Triad:
