@@ -12,7 +12,7 @@ import torch
 
 from infinikv import Sampling, generate, make_policy
 from infinikv.cli import main
-from infinikv.serve.bench import bench_serve, free_port, running_server
+from infinikv.bench.serving import bench_serve, free_port, running_server
 from infinikv.serve.scheduler import _safe_end
 
 MODEL = "smollm2-135m"
@@ -313,7 +313,7 @@ def test_bench_serve():
 
 
 def test_bench_serve_turns_continued_and_fresh():
-    from infinikv.serve.turns import bench_turns, turns_table
+    from infinikv.bench.turns import bench_turns, turns_table
 
     result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 256 * 2**20, 2, 2, 20, 4)
     assert result["errors"] == 0

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -93,6 +93,21 @@ class RssSampler(threading.Thread):
             self.done.wait(0.05)
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON chunks of a streamed OpenAI-style response, then None at ``[DONE]`` (a stream that
+    stops without it just ends); an error chunk is raised as RuntimeError."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            yield None
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        yield chunk
+
+
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Tally, deadline: float) -> None:
     started = time.perf_counter()
     last, done = None, False
@@ -102,15 +117,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Ta
                 tally.errors += 1
                 tally.messages.append(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for chunk in sse_chunks(r):
+                if chunk is None:
                     done = True
                     break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"]["message"])
                 if chunk.get("usage"):
                     tally.tokens += chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:

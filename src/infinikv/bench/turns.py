@@ -13,14 +13,13 @@ each server's peak RSS is checked against the K/V budget plus the model's size.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import psutil
 
 from ..data import load_text
-from .bench import RssSampler, model_bytes, percentile_ms, running_server
+from .serving import RssSampler, model_bytes, percentile_ms, running_server, sse_chunks
 
 
 def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> str:
@@ -46,12 +45,9 @@ async def one_turn(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             raise Busy(float(r.headers.get("retry-after", 1)))
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
+        async for chunk in sse_chunks(r):
+            if chunk is None:
+                break
             final = chunk if chunk.get("usage") else final
             piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if piece:

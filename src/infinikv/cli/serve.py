@@ -106,7 +106,7 @@ def serve_on_ray(args: argparse.Namespace, spec: dict | None, options: dict) -> 
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from ..serve.bench import bench_serve
+    from ..bench.serving import bench_serve
     from ..sizes import parse_bytes
 
     kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
@@ -174,7 +174,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def bench_conversations(args: argparse.Namespace, serve_args: list[str], kv_memory: int) -> int:
-    from ..serve.turns import bench_turns, turns_table
+    from ..bench.turns import bench_turns, turns_table
 
     load = (args.clients, args.turns, args.turn_tokens, args.max_tokens)
     result = bench_turns(args.model, serve_args, kv_memory, *load)
