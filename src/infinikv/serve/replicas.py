@@ -19,7 +19,8 @@ from ray import serve
 
 from ..cluster import error_line, gpus_each
 from ..errors import InfinikvError
-from .app import PUBLISH_SECONDS, create_app
+from .app import create_app
+from .metrics import PUBLISH_SECONDS
 
 APP = "infinikv"
 STALE_SECONDS = 5 * PUBLISH_SECONDS  # a replica silent this long is gone (killed, or being replaced)

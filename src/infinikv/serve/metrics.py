@@ -1,0 +1,81 @@
+"""``/metrics``: what each replica publishes, gathered across replicas, in Prometheus's text format."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from .scheduler import Scheduler
+
+
+class Peers(Protocol):
+    """The other replicas of one deployment (``serve.replicas``): /metrics shows every replica.
+    Both calls block (a thread of their own calls them, not the event loop)."""
+
+    def publish(self, numbers: dict[str, Any]) -> None:
+        """Share this replica's numbers (called every ``PUBLISH_SECONDS``)."""
+        ...
+
+    def gather(self, numbers: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every live replica's numbers by replica name, this one's (``numbers``) fresh."""
+        ...
+
+
+PUBLISH_SECONDS = 1.0
+
+
+def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
+    """Share this replica's numbers with its peers every ``PUBLISH_SECONDS`` until ``stop``."""
+    while not stop.wait(PUBLISH_SECONDS):
+        try:
+            peers.publish(scheduler.snapshot())
+        except Exception:  # a board that is gone (the driver left) must not stop the replica
+            pass
+
+
+def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
+    """The schedulers' numbers in Prometheus' text format, one sample per replica (labelled
+    ``replica`` unless the server is one process, whose name is "")."""
+
+    def labels(replica: str, **more: str) -> str:
+        pairs = {**more, **({"replica": replica} if replica else {})}
+        return "{" + ",".join(f'{k}="{v}"' for k, v in pairs.items()) + "}" if pairs else ""
+
+    lines = [
+        "# HELP infinikv_requests_total Requests by outcome (rejected: 400 never fits or 429 queue full).",
+        "# TYPE infinikv_requests_total counter",
+    ]
+    for outcome in ("completed", "cancelled", "failed", "rejected"):
+        for replica, numbers in replicas.items():
+            lines.append(f"infinikv_requests_total{labels(replica, outcome=outcome)} {numbers[f'requests_{outcome}']}")
+    metrics = [
+        ("tokens_generated_total", "counter", "Tokens generated.", "tokens_generated"),
+        ("tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.", "tokens_per_second"),
+        ("kv_bytes_in_use", "gauge", "K/V bytes held by the caches of running sequences.", "kv_bytes_in_use"),
+        ("kv_bytes_reserved", "gauge", "K/V bytes admission reserved (worst case per request).", "kv_bytes_reserved"),
+        ("kv_bytes_budget", "gauge", "The server's K/V budget (--kv-memory).", "kv_bytes_budget"),
+        ("queue_length", "gauge", "Requests waiting for K/V budget.", "queue_length"),
+        ("active_sequences", "gauge", "Sequences admitted and generating.", "active_sequences"),
+        ("decode_steps_total", "counter", "Batched decode steps run.", "decode_steps"),
+        ("batch_size_max", "gauge", "The most sequences one decode step has run.", "max_batch"),
+        ("conversations_kept", "gauge", "Idle conversations whose caches are kept.", "conversations_kept"),
+        ("kv_bytes_kept", "gauge", "K/V bytes the idle conversations hold.", "kv_bytes_kept"),
+        ("reuse_hits_total", "counter", "Requests that continued a kept conversation.", "reuse_hits"),
+        ("reuse_tokens_saved_total", "counter", "Prompt tokens not prefilled, continued.", "reuse_tokens_saved"),
+        ("conversations_dropped_total", "counter", "Idle conversations dropped (LRU).", "conversations_dropped"),
+    ]
+    for name, kind, help_text, key in metrics:
+        lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]
+        lines += [f"infinikv_{name}{labels(replica)} {number(numbers[key])}" for replica, numbers in replicas.items()]
+    lines += [
+        "# HELP infinikv_fetch_fraction Mean share of the tokens seen fetched per decode step, by two-tier policy.",
+        "# TYPE infinikv_fetch_fraction gauge",
+    ]
+    for replica, numbers in replicas.items():
+        for policy, fraction in sorted(numbers["fetch_fraction"].items()):
+            lines.append(f"infinikv_fetch_fraction{labels(replica, policy=policy)} {number(fraction)}")
+    return "\n".join(lines) + "\n"
+
+
+def number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
