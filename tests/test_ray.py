@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from infinikv.cli import main
 from infinikv.bench.serving import free_port
+from infinikv.cli import main
 
 GRID = ["--context", "128", "--continuation", "12", "--policies", "full,sink,h2o", "--budgets", "0.5", "--quiet"]
 TIMING = {"seconds"}  # the only fields of a row that differ between two runs of the same cell

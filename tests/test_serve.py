@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from infinikv import Sampling, generate, make_policy
-from infinikv.cli import main
 from infinikv.bench.serving import bench_serve, free_port, running_server
-from infinikv.serve.scheduler import _safe_end
+from infinikv.cli import main
+from infinikv.serve.sequence import safe_end as _safe_end
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
@@ -332,7 +332,8 @@ def test_a_long_prefill_is_chunked_between_decode_steps(real):
     import threading
 
     from infinikv.core import Sampling
-    from infinikv.serve.scheduler import Scheduler, Sequence
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
 
     model, tokenizer = real
     scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, prefill_chunk=128)
@@ -383,7 +384,8 @@ def test_a_conversation_continues_its_cache(real):
     """With ``full`` the next turn, continued, gives the tokens of the whole conversation sent
     fresh; with ``bct`` the continued cache equals one Batch fed the same tokens in the same order."""
     from infinikv.core import Batch
-    from infinikv.serve.scheduler import Scheduler, Sequence
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
 
     model, tokenizer = real
     first = tokenizer("Alice lives in Paris and keeps three cats. Bob lives in Rome.").input_ids
@@ -397,11 +399,11 @@ def test_a_conversation_continues_its_cache(real):
             second = first + one.tokens + more
             two = Sequence(second, policy, Sampling(6), [], None)
             converse(scheduler, two)
-            kept = list(scheduler.conversations.idle.values())
+            kept = list(scheduler.admission.conversations.idle.values())
         finally:
             scheduler.close()
         assert two.reused == len(first) + one.fed == len(first) + len(one.tokens) - 1  # the last pick is unfed
-        assert scheduler.conversations.hits == 1 and scheduler.snapshot()["reuse_tokens_saved"] == two.reused
+        assert scheduler.admission.conversations.hits == 1 and scheduler.snapshot()["reuse_tokens_saved"] == two.reused
         if policy.name == "full":
             fresh = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0)
             try:
@@ -430,7 +432,8 @@ def test_a_conversation_continues_its_cache(real):
 
 def test_ignore_eos_generates_max_tokens(real):
     """vLLM's ``ignore_eos``: an end-of-sequence pick is generated like any token."""
-    from infinikv.serve.scheduler import Scheduler, Sequence
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
 
     model, tokenizer = real
     prompt, full = tokenizer("The capital of France is").input_ids, make_policy("full")
@@ -476,7 +479,8 @@ def test_a_finished_row_is_copied_out_of_its_batch_alone(real):
 
 
 def test_idle_conversations_make_room_least_recently_used_first(real):
-    from infinikv.serve.scheduler import Scheduler, Sequence
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
 
     model, tokenizer = real
     prompt = tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
@@ -490,8 +494,11 @@ def test_idle_conversations_make_room_least_recently_used_first(real):
         kept = scheduler.snapshot()
         assert kept["conversations_kept"] == 2 and kept["kv_bytes_kept"] == (2 * len(prompt) + 3 + 4) * PER_TOKEN
         converse(scheduler, Sequence(prompt, full, Sampling(6), [], None))  # the third: the oldest goes
-        assert scheduler.conversations.dropped == 1
-        assert [len(c.tokens) for c in scheduler.conversations.idle.values()] == [len(prompt) + 4, len(prompt) + 5]
+        assert scheduler.admission.conversations.dropped == 1
+        assert [len(c.tokens) for c in scheduler.admission.conversations.idle.values()] == [
+            len(prompt) + 4,
+            len(prompt) + 5,
+        ]
         converse(scheduler, Sequence(prompt, full, Sampling(40), [], None))  # needs the whole budget
         after = scheduler.snapshot()
         assert (

@@ -28,7 +28,7 @@ from ..errors import InfinikvError
 from .catalog import PolicyCatalog
 from .metrics import Peers, prometheus, publish
 from .replies import Reply, error_response, stream
-from .scheduler import Event, Scheduler, Sequence, ServeError
+from .scheduler import Scheduler
 from .schemas import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -40,6 +40,7 @@ from .schemas import (
     message_text,
     single_prompt,
 )
+from .sequence import Event, Sequence, ServeError
 
 
 def create_app(

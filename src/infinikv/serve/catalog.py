@@ -19,7 +19,7 @@ import torch
 from ..errors import InfinikvError
 from ..policies import REGISTRY, Policy, parse_spec
 from ..preparation import ensure_prepared
-from .scheduler import ServeError
+from .sequence import ServeError
 
 
 def spec_key(policy: Policy) -> str:

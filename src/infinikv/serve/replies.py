@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 
-from .scheduler import Scheduler, Sequence, ServeError
+from .scheduler import Scheduler
 from .schemas import StreamOptions
+from .sequence import Sequence, ServeError
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> Response:

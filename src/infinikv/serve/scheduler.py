@@ -18,72 +18,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..compiled import resolve
-from ..core import Batch, Sampling, next_tokens, step_together
+from ..core import Batch, step_together
 from ..engine import end_of_sequence_ids
-from ..errors import InfinikvError
-from ..policies import Policy
 from ..text import Detokenizer
-from .conversations import Conversation, Conversations, conversation_key, detach
-
-Event = tuple[str, Any]  # ("text", Piece) | ("done", finish_reason) | ("error", message)
-
-
-class Piece(NamedTuple):
-    """New text of a stream, and the tokens generated up to it."""
-
-    text: str
-    tokens: int
-
-
-class ServeError(Exception):
-    """A request the server refuses, as an HTTP status and an OpenAI-style error body."""
-
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code=None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        """A full queue frees up as requests finish: a client may retry after a second."""
-        return {"Retry-After": "1"} if self.status == 429 else {}
-
-
-@dataclass
-class Sequence:
-    """One request's generation: its prompt, policy and sampling, and the state it moves through."""
-
-    prompt_ids: list[int]
-    policy: Policy
-    sampling: Sampling
-    stop: list[str]
-    emit: Callable[[Event], None]  # thread-safe: called from the scheduler thread
-    ignore_eos: bool = False  # an end-of-sequence token is a token like any other
-    reserved: int = 0  # K/V bytes admission set aside for it
-    tokens: list[int] = field(default_factory=list)
-    batch: Batch | None = None  # its own batch while its prompt is prefilled, chunk by chunk
-    prefilled: int = 0  # prompt tokens fed so far
-    generator: torch.Generator | None = None
-    cancelled: bool = False
-    finish_reason: str | None = None
-    text: str = ""  # the text so far (pieces from an incremental detokenizer)
-    sent: int = 0  # characters of text already emitted
-    detokenizer: Detokenizer | None = None
-    kv_bytes: int = 0  # peak K/V bytes its cache held
-    fetched_fraction: float | None = None  # for two-tier policies
-    key: str = ""  # requests with equal keys may continue each other's caches (``conversation_key``)
-    fed: int = 0  # generated tokens its cache has seen (the last one picked is not fed)
-    resumed: Conversation | None = None  # the idle conversation it continues, until its prefill starts
-    reused: int = 0  # prompt tokens it did not prefill, continuing a conversation
+from .admission import REJECTED, Admission
+from .conversations import Conversation, detach
+from .sequence import Sequence, ServeError, pick
 
 
 @dataclass
@@ -117,15 +63,13 @@ class Scheduler:
         keep_conversations: int = 16,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.conversations = Conversations(keep_conversations)
-        self.kv_memory, self.max_queue, self.prefill_chunk, self.compile = kv_memory, max_queue, prefill_chunk, compile
+        self.admission = Admission(model.config, kv_memory, max_queue, keep_conversations)
+        self.prefill_chunk, self.compile = prefill_chunk, compile
         self.eos = end_of_sequence_ids(model, tokenizer)
         self.cond = threading.Condition()
-        self.waiting: deque[Sequence] = deque()  # not admitted yet
         self.joining: list[Sequence] = []  # admitted, not started yet
         self.prefilling: list[Sequence] = []  # only the scheduler thread touches these two
         self.groups: dict[str, Group] = {}
-        self.reserved = 0
         self.held = 0  # K/V bytes held by live caches, as of the last step
         self.counts: dict[str, int] = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.tokens_generated = 0
@@ -143,37 +87,16 @@ class Scheduler:
     def submit(self, seq: Sequence) -> None:
         """Admit ``seq`` now or queue it; raise ServeError 400 (never fits) or 429 (queue full)."""
         try:
-            seq.reserved = seq.policy.worst_case_bytes(
-                self.model.config, len(seq.prompt_ids), seq.sampling.max_new_tokens
-            )
-        except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
-            raise ServeError(400, f"kv: {exc}", param="kv") from None
-        seq.key = conversation_key(seq.policy, seq.sampling)
-        if seq.reserved > self.kv_memory:
+            self.admission.price(seq)
             with self.cond:
-                self.counts["rejected"] += 1
-            raise ServeError(
-                400,
-                f"this request needs up to {seq.reserved / 2**20:.1f} MiB of K/V under {seq.policy!r} "
-                f"({len(seq.prompt_ids)} prompt + {seq.sampling.max_new_tokens} new tokens), more than the "
-                f"server's --kv-memory of {self.kv_memory / 2**20:.1f} MiB; lower max_tokens or pick a bounded kv "
-                "policy",
-                param="max_tokens",
-                code="kv_budget_exceeded",
-            )
-        with self.cond:
-            if not self.waiting and self._fits(seq):
-                self._admit(seq)
-            elif len(self.waiting) < self.max_queue:
-                self.waiting.append(seq)
-            else:
-                self.counts["rejected"] += 1
-                raise ServeError(
-                    429,
-                    f"the server's K/V budget is in use and its queue is full ({self.max_queue} waiting); retry later",
-                    kind="rate_limit_error",
-                    code="queue_full",
-                )
+                if self.admission.offer(seq):
+                    self.joining.append(seq)
+                    self.cond.notify()
+        except ServeError as exc:
+            if exc.code in REJECTED:
+                with self.cond:
+                    self.counts["rejected"] += 1
+            raise
 
     def cancel(self, seq: Sequence) -> None:
         """Drop ``seq`` (its client went away): at once if waiting, else before the next step."""
@@ -181,8 +104,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 return
             seq.cancelled = True
-            if seq in self.waiting:
-                self.waiting.remove(seq)
+            if seq in self.admission.waiting:
+                self.admission.waiting.remove(seq)
                 seq.finish_reason = "cancelled"
                 self.counts["cancelled"] += 1
             self.cond.notify()
@@ -203,42 +126,23 @@ class Scheduler:
                 "tokens_generated": self.tokens_generated,
                 "tokens_per_second": sum(n for _, n in recent) / 10,
                 "kv_bytes_in_use": self.held,
-                "kv_bytes_reserved": self.reserved,
-                "kv_bytes_budget": self.kv_memory,
-                "queue_length": len(self.waiting),
+                "kv_bytes_reserved": self.admission.reserved,
+                "kv_bytes_budget": self.admission.kv_memory,
+                "queue_length": len(self.admission.waiting),
                 "active_sequences": self.active_count,
                 "decode_steps": self.steps,
                 "max_batch": self.max_batch,
                 "fetch_fraction": {name: sum(f) / len(f) for name, f in self.fetched.items()},
-                "conversations_kept": len(self.conversations.idle),
-                "kv_bytes_kept": self.conversations.bytes,
-                "reuse_hits": self.conversations.hits,
-                "reuse_tokens_saved": self.conversations.tokens_saved,
-                "conversations_dropped": self.conversations.dropped,
+                "conversations_kept": len(self.admission.conversations.idle),
+                "kv_bytes_kept": self.admission.conversations.bytes,
+                "reuse_hits": self.admission.conversations.hits,
+                "reuse_tokens_saved": self.admission.conversations.tokens_saved,
+                "conversations_dropped": self.admission.conversations.dropped,
             }
 
     @property
     def active_count(self) -> int:
         return len(self.joining) + len(self.prefilling) + sum(len(g.seqs) for g in self.groups.values())
-
-    # -- admission (under ``cond``) -------------------------------------------------------
-    def _fits(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s reservation fits beside the running ones'; idle conversations make
-        room, least recently used first (not the one ``seq`` continues, whose K/V it takes over)."""
-        room = self.kv_memory - self.reserved - seq.reserved
-        if room < 0:
-            return False
-        self.conversations.make_room(room, self.conversations.match(seq.key, seq.prompt_ids))
-        return True
-
-    def _admit(self, seq: Sequence) -> None:
-        index = self.conversations.match(seq.key, seq.prompt_ids)
-        if index is not None:
-            seq.resumed = self.conversations.take(index)
-            seq.reused = len(seq.resumed.tokens)
-        self.reserved += seq.reserved
-        self.joining.append(seq)
-        self.cond.notify()
 
     # -- the scheduler thread --------------------------------------------------------------
     def run(self) -> None:
@@ -291,7 +195,7 @@ class Scheduler:
         seq.prefilled = min(end, len(seq.prompt_ids))
         if seq.prefilled < len(seq.prompt_ids):
             return
-        self._advance(seq, logits)
+        self._advance(seq, int(pick(logits, [seq])[0]))
         if seq.finish_reason is None:  # it joins the running sequences (else _retire reports it)
             self.prefilling.remove(seq)
             key = json.dumps(seq.policy.spec(), sort_keys=True)
@@ -316,12 +220,12 @@ class Scheduler:
         started = time.perf_counter()
         logits = step_together([g.batch for g in groups], tokens)
         self.step_seconds = smooth(self.step_seconds, time.perf_counter() - started)
-        batch = 0
-        for group, rows in zip(groups, logits, strict=True):
-            for i, seq in enumerate(group.seqs):
-                seq.fed += 1
-                self._advance(seq, rows[i : i + 1])
-            batch += len(group.seqs)
+        seqs = [seq for group in groups for seq in group.seqs]
+        picked = torch.cat([pick(rows, group.seqs) for group, rows in zip(groups, logits, strict=True)])
+        for seq, token in zip(seqs, picked.tolist(), strict=True):  # the step's one read of the device
+            seq.fed += 1
+            self._advance(seq, token)
+        batch = len(seqs)
         with self.cond:
             self.steps += 1
             self.max_batch = max(self.max_batch, batch)
@@ -336,28 +240,10 @@ class Scheduler:
         with self.cond:
             self.held = held
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Pick ``seq``'s next token from ``logits`` (1, V), emit its text, decide if it is done."""
-        token = int(next_tokens(logits, seq.sampling, seq.generator))
+    def _advance(self, seq: Sequence, token: int) -> None:
         with self.cond:
             self.tokens_generated += 1
-        if token in self.eos and not seq.ignore_eos:
-            seq.finish_reason = "stop"
-            seq.text += seq.detokenizer.flush()
-        else:
-            seq.tokens.append(token)
-            seq.text += seq.detokenizer.push(token)
-            if len(seq.tokens) >= seq.sampling.max_new_tokens:
-                seq.finish_reason = "length"
-                seq.text += seq.detokenizer.flush()
-        text = seq.text
-        end = len(text) if seq.finish_reason else _safe_end(text, seq.stop)
-        hits = [at for stop in seq.stop if (at := text.find(stop, max(0, seq.sent - len(stop)))) >= 0]
-        if hits:
-            end, seq.finish_reason = min(hits), "stop"
-        if end > seq.sent:
-            seq.emit(("text", Piece(text[seq.sent : end], len(seq.tokens))))
-            seq.sent = end
+        seq.add(token, self.eos)
 
     def _retire(self) -> None:
         """Free the K/V of finished and cancelled sequences, tell their clients, admit waiters."""
@@ -391,24 +277,24 @@ class Scheduler:
             return
         with self.cond:
             for conversation in kept:
-                self.conversations.put(conversation)
+                self.admission.conversations.put(conversation)
             for seq in done:
                 seq.batch = None
-                self.reserved -= seq.reserved
+                self.admission.release(seq)
                 outcome = "cancelled" if seq.cancelled else "failed" if seq.finish_reason == "error" else "completed"
                 self.counts[outcome] += 1
                 if seq.finish_reason is None:
                     seq.finish_reason = "cancelled"
                 elif outcome == "completed":
                     seq.emit(("done", seq.finish_reason))
-            while self.waiting and self._fits(self.waiting[0]):
-                self._admit(self.waiting.popleft())
+            self.joining.extend(self.admission.admit_waiting())
+            self.cond.notify()
         self._count_held()
 
     def _keeps(self, seq: Sequence) -> bool:
         """Whether ``seq``'s cache is kept for its conversation's next turn: it completed, and
         conversations are kept."""
-        return bool(self.conversations.keep) and not seq.cancelled and seq.finish_reason != "error"
+        return bool(self.admission.conversations.keep) and not seq.cancelled and seq.finish_reason != "error"
 
     def _conversation(self, seq: Sequence, batch: Batch) -> Conversation:
         """``seq``'s cache (``batch``, its row alone) as an idle conversation."""
@@ -428,12 +314,3 @@ class Scheduler:
 def smooth(average: float, value: float, weight: float = 0.2) -> float:
     """An exponential moving average (the first value as it is)."""
     return value if not average else (1 - weight) * average + weight * value
-
-
-def _safe_end(text: str, stops: list[str]) -> int:
-    """How much of ``text`` can be sent: not a half-decoded character, nor a stop string's start."""
-    end = len(text) - 1 if text.endswith("\ufffd") else len(text)
-    held = 0
-    for stop in stops:
-        held = max([held] + [k for k in range(1, min(len(stop), end + 1)) if text[:end].endswith(stop[:k])])
-    return end - held

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .scheduler import ServeError
+from .sequence import ServeError
 
 Int = Annotated[int, Field(strict=True)]
 Float = Annotated[float, Field(strict=True)]

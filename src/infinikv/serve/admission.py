@@ -1,0 +1,87 @@
+"""The server's K/V budget: what admitted requests reserved, who waits, and which idle
+conversations give way."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import InfinikvError
+from .conversations import Conversations, conversation_key
+from .sequence import Sequence, ServeError
+
+REJECTED = ("kv_budget_exceeded", "queue_full")  # the codes of refusals counted as rejected requests
+
+
+class Admission:
+    """A request is admitted only when the worst case of its policy's K/V (``worst_case_bytes``)
+    fits in what is left of ``kv_memory``; otherwise it waits in a FIFO queue of ``max_queue``.
+    Idle conversations (``keep_conversations`` at most) count against the budget and give way,
+    least recently used first, when a newcomer needs their room. Not locked itself: the
+    scheduler calls it under its lock, except ``price``."""
+
+    def __init__(self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int) -> None:
+        self.config, self.kv_memory, self.max_queue = config, kv_memory, max_queue
+        self.conversations = Conversations(keep_conversations)
+        self.waiting: deque[Sequence] = deque()
+        self.reserved = 0
+
+    def price(self, seq: Sequence) -> None:
+        """Set ``seq``'s reservation and conversation key; ServeError 400 if it could never fit."""
+        try:
+            seq.reserved = seq.policy.worst_case_bytes(self.config, len(seq.prompt_ids), seq.sampling.max_new_tokens)
+        except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
+            raise ServeError(400, f"kv: {exc}", param="kv") from None
+        seq.key = conversation_key(seq.policy, seq.sampling)
+        if seq.reserved > self.kv_memory:
+            raise ServeError(
+                400,
+                f"this request needs up to {seq.reserved / 2**20:.1f} MiB of K/V under {seq.policy!r} "
+                f"({len(seq.prompt_ids)} prompt + {seq.sampling.max_new_tokens} new tokens), more than the "
+                f"server's --kv-memory of {self.kv_memory / 2**20:.1f} MiB; lower max_tokens or pick a bounded kv "
+                "policy",
+                param="max_tokens",
+                code="kv_budget_exceeded",
+            )
+
+    def offer(self, seq: Sequence) -> bool:
+        """Admit ``seq`` (True) or queue it (False); ServeError 429 when the queue is full."""
+        if not self.waiting and self.fits(seq):
+            self.admit(seq)
+            return True
+        if len(self.waiting) < self.max_queue:
+            self.waiting.append(seq)
+            return False
+        raise ServeError(
+            429,
+            f"the server's K/V budget is in use and its queue is full ({self.max_queue} waiting); retry later",
+            kind="rate_limit_error",
+            code="queue_full",
+        )
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s reservation fits beside the running ones'; idle conversations make
+        room, least recently used first (not the one ``seq`` continues, whose K/V it takes over)."""
+        room = self.kv_memory - self.reserved - seq.reserved
+        if room < 0:
+            return False
+        self.conversations.make_room(room, self.conversations.match(seq.key, seq.prompt_ids))
+        return True
+
+    def admit(self, seq: Sequence) -> None:
+        index = self.conversations.match(seq.key, seq.prompt_ids)
+        if index is not None:
+            seq.resumed = self.conversations.take(index)
+            seq.reused = len(seq.resumed.tokens)
+        self.reserved += seq.reserved
+
+    def release(self, seq: Sequence) -> None:
+        self.reserved -= seq.reserved
+
+    def admit_waiting(self) -> Iterator[Sequence]:
+        """The waiting requests that now fit, in order, admitted."""
+        while self.waiting and self.fits(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self.admit(seq)
+            yield seq
