@@ -8,6 +8,7 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from infinikv import Batch, attach, make_policy
+from infinikv.contract import Preparing
 from infinikv.errors import InfinikvError
 from infinikv.eval.recall import attention_recall
 from infinikv.kv.speculation import pair_scores, pairs_to_columns, partial_query, select_by_mass, select_tokens
@@ -384,13 +385,13 @@ def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder,
         saved.unlink()
     model, tokenizer = load_model(str(folder))
     default = make_policy("infinigen")
-    assert "calibrated" in ensure_prepared(default, model, tokenizer, tokens=64)
+    assert "calibrated" in ensure_prepared(default, model, tokenizer, Preparing(tokens=64))
     path = folder / "infinikv-infinigen.json"
     fit = {"partial_ratio": 0.3, "max_fetch": 0.1, "keep_first": 4, "keep_recent": 32}
     assert json.loads(path.read_text())["fit"] == fit
     assert ensure_prepared(make_policy("infinigen"), model, tokenizer) is None  # the same options: loaded
     other = make_policy("infinigen", select="mass", partial_ratio=0.5)
-    assert "calibrated" in ensure_prepared(other, model, tokenizer, tokens=64)
+    assert "calibrated" in ensure_prepared(other, model, tokenizer, Preparing(tokens=64))
     assert other.prep["fit"] == {**fit, "partial_ratio": 0.5}
     assert json.loads((folder / "infinikv-infinigen-r0.5-f0.1-4-32.json").read_text())["fit"] == other.prep["fit"]
     assert json.loads(path.read_text())["fit"] == fit  # the default's is untouched
@@ -399,5 +400,5 @@ def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder,
     edited = json.loads(path.read_text())
     edited["fit"]["max_fetch"] = 0.5  # a record that does not match the options asked for
     path.write_text(json.dumps(edited))
-    assert "calibrated" in ensure_prepared(make_policy("infinigen"), model, tokenizer, tokens=64)
+    assert "calibrated" in ensure_prepared(make_policy("infinigen"), model, tokenizer, Preparing(tokens=64))
     assert json.loads(path.read_text())["fit"] == fit

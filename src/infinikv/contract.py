@@ -1,5 +1,5 @@
 """The contract every part of a KV policy is written against, importing nothing of infinikv's
-but its error type: options, budgets, eviction rules and the cost a policy declares to the
+but its error type: options, budgets, how a preparation runs, eviction rules and the cost a policy declares to the
 offload planner. Storage, the cache stages, the policies and the planner all import this module;
 it imports none of them, so the import graph starts here and points down.
 """
@@ -58,6 +58,18 @@ class Option:
         if self.check is not None and not self.check(parsed):
             raise InfinikvError(f"{self.flag} {parsed} is out of range ({self.help})")
         return parsed
+
+
+@dataclass(frozen=True)
+class Preparing:
+    """How a policy's preparation (InfiniGen's calibration) runs: on which text and how many of its
+    tokens (None: the policy's defaults), again even when one is saved (``force``), with a
+    progress bar or not."""
+
+    calibration: str | None = None
+    tokens: int | None = None
+    force: bool = False
+    progress: bool = False
 
 
 @dataclass(frozen=True)

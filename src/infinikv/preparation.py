@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .contract import Preparing
 from .data import load_text
 from .policies import Policy
 
@@ -28,13 +29,10 @@ def ensure_prepared(
     policy: Policy,
     model: torch.nn.Module,
     tokenizer: Any,
-    progress: bool = False,
-    calibration: str | None = None,
-    tokens: int | None = None,
-    force: bool = False,
+    how: Preparing | None = None,
 ) -> str | None:
-    """Load or run ``policy``'s preparation for ``model`` if it needs one (again with ``force``, on
-    ``calibration`` and ``tokens`` when given); says what it did, None if nothing."""
+    """Load or run ``policy``'s preparation for ``model`` if it needs one, as ``how`` says (default:
+    the policy's text and tokens, loaded when saved); says what it did, None if nothing."""
     if not policy.needs_preparation:
         return None
-    return policy.prepare(model, text_reader(model, tokenizer), progress, calibration, tokens, force)
+    return policy.prepare(model, text_reader(model, tokenizer), how or Preparing())

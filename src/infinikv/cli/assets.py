@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .. import data, models
+from ..contract import Preparing
 from ..errors import InfinikvError
 from ..policies import REGISTRY, make_policy, parse_spec, policy_class
 from ..preparation import ensure_prepared
@@ -75,7 +76,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if policy is None or not policy.needs_preparation:
             print(f"{name}: nothing to prepare")
             continue
-        note = ensure_prepared(policy, model, tokenizer, not args.quiet, args.calibration, args.tokens, force=True)
+        note = ensure_prepared(policy, model, tokenizer, Preparing(args.calibration, args.tokens, True, not args.quiet))
         print(note)
     return 0
 
@@ -93,7 +94,7 @@ def prepare_compiled(args: argparse.Namespace, asked: list[tuple[str, dict]]) ->
         raise InfinikvError(f"{policy.label()} cannot be compiled (its cache shapes change as it runs)")
     model, tokenizer = load(args)
     policy = policy or parse_spec(models.default_policy_spec(model))
-    ensure_prepared(policy, model, tokenizer, not args.quiet)
+    ensure_prepared(policy, model, tokenizer, Preparing(progress=not args.quiet))
     if built(model, policy):
         print(f"{policy.label()}: compiled step already built")
         return 0

@@ -14,7 +14,7 @@ from typing import Any
 from .. import models, weights
 from ..cluster import INSTALL, LOCAL
 from ..compiled import MODES
-from ..contract import REFERENCE
+from ..contract import REFERENCE, Preparing
 from ..errors import InfinikvError
 from ..grid import METRICS, Cell, LocalPool, Worker, run_grid
 from ..grid import append_row as append_row  # the results files of every command
@@ -172,7 +172,7 @@ def prepare(policies: Iterable[Policy], model, tokenizer, text: str | None = Non
     """Run the preparation of the policies that need one (explicitly, before any cache is built),
     and warn when one was calibrated on the text about to be evaluated."""
     for policy in policies:
-        note = ensure_prepared(policy, model, tokenizer, progress=progress)
+        note = ensure_prepared(policy, model, tokenizer, Preparing(progress=progress))
         if note:
             print(note, file=sys.stderr)
         if text is not None and policy.prepared_on() == text:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..cache import Evictor, KVCache, KVLayer
-from ..contract import Budget, Cost, Option, Rule
+from ..contract import Budget, Cost, Option, Preparing, Rule
 from ..errors import InfinikvError
 from ..kv.slots import Slots
 from ..sizes import bytes_per_token, windows
@@ -127,18 +127,10 @@ class Policy(ABC):
             config
         )
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        read: Reader,
-        progress: bool = False,
-        calibration: str | None = None,
-        tokens: int | None = None,
-        force: bool = False,
-    ) -> str | None:
-        """Load the policy's saved preparation for ``model``, or run it (on ``read(calibration,
-        tokens)``, the policy's defaults where None; again with ``force``) and save it; says what it
-        did, None if nothing. Called through ``preparation.ensure_prepared``, which reads texts."""
+    def prepare(self, model: torch.nn.Module, read: Reader, how: Preparing) -> str | None:
+        """Load the policy's saved preparation for ``model``, or run it (on ``read(how.calibration,
+        how.tokens)``, the policy's defaults where None; again with ``how.force``) and save it; says
+        what it did, None if nothing. Called through ``preparation.ensure_prepared``, which reads texts."""
         return None
 
     def prepared_on(self) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..cache import Evictor, KVCache, KVLayer, Selection, TwoTier
-from ..contract import Budget, Cost, Option
+from ..contract import Budget, Cost, Option, Preparing
 from ..errors import InfinikvError
 from ..kv.rope import rotary_inv_freq
 from ..kv.slots import Slots, StateSpec, put
@@ -277,25 +277,17 @@ class InfiniGen(Policy):
             return Fit()
         return Fit(params["partial_ratio"], params["max_fetch"], params["keep_first"], params["keep_recent"])
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        read: Reader,
-        progress: bool = False,
-        calibration: str | None = None,
-        tokens: int | None = None,
-        force: bool = False,
-    ) -> str | None:
+    def prepare(self, model: torch.nn.Module, read: Reader, how: Preparing) -> str | None:
         """Load the model's saved calibration for this policy's options (``fit``), or calibrate
         (default: ``DEFAULT_CALIBRATION``, ``CALIBRATION_TOKENS`` tokens) and save it next to the
         model; one saved by an older version or with other options is redone."""
         fit = self.fit()
-        if self.prep is not None and self.prepared_for == (model.name_or_path, fit) and not force:
+        if self.prep is not None and self.prepared_for == (model.name_or_path, fit) and not how.force:
             return None
-        prep, did = None if force else load(model, fit), None
+        prep, did = None if how.force else load(model, fit), None
         if prep is None:
-            text = calibration or DEFAULT_CALIBRATION
-            path = fit_and_save(model, read(text, tokens or CALIBRATION_TOKENS), text, fit, progress)
+            text = how.calibration or DEFAULT_CALIBRATION
+            path = fit_and_save(model, read(text, how.tokens or CALIBRATION_TOKENS), text, fit, how.progress)
             prep, did = load(model, fit), f"infinigen: calibrated {model.name_or_path} on {text}, saved to {path}"
         self.prep, self.prepared_for = prep, (model.name_or_path, fit)
         if did and self.params["select"] == "mass" and not self.params["mass"]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..cache import KVLayer, RecallLayer, TwoTier
-from ..contract import Budget, Option
+from ..contract import Budget, Option, Preparing
 from ..errors import InfinikvError
 from ..kv.slots import Slots
 from ..kv.tiers import slow_tier
@@ -53,16 +53,8 @@ class Recall(Policy):
             )
         return None if budget is None and capacity is None else Budget(budget, capacity)
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        read: Reader,
-        progress: bool = False,
-        calibration: str | None = None,
-        tokens: int | None = None,
-        force: bool = False,
-    ) -> str | None:
-        return self.seeker.prepare(model, read, progress, calibration, tokens, force)
+    def prepare(self, model: torch.nn.Module, read: Reader, how: Preparing) -> str | None:
+        return self.seeker.prepare(model, read, how)
 
     def prepared_on(self) -> str | None:
         return self.seeker.prepared_on()
