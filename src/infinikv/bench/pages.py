@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import InfinikvError
 from ..results import run_label
 
-MARKED = re.compile(r"(<!-- results: (\S+) (\S+) -->\n).*?(<!-- /results -->)", re.DOTALL)
+MARKED = re.compile(r"(<!-- results: (\S+\.json) (\w+) -->\n).*?(<!-- /results -->)", re.DOTALL)
 
 
 def pivot(rows: list[dict], key: str, spec: str) -> list[str]:
