@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from infinikv import Batch, load_model, make_policy, weights
+from infinikv import Batch, load_model, make_policy, packed, weights
 from infinikv.errors import InfinikvError
 from infinikv.weights import PackedEmbedding, stored_bytes, weights_format
 
@@ -16,10 +16,10 @@ from infinikv.weights import PackedEmbedding, stored_bytes, weights_format
 def stands_for(fmt: str, weight: torch.Tensor) -> torch.Tensor:
     """The weight a format rounds ``weight`` to."""
     if fmt == "int8":
-        q, scale = weights.quantize_int8(weight)
+        q, scale = packed.quantize_int8(weight)
         return q.float() * scale.float()[:, None]
     if fmt == "int4":
-        return weights.dequantize_int4(*weights.quantize_int4(weight))
+        return packed.dequantize_int4(*packed.quantize_int4(weight))
     return weight.to(torch.bfloat16).float()
 
 
@@ -29,7 +29,7 @@ def test_torch_kernels_compute_with_the_weight_they_stand_for(fmt):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96)
     x = torch.randn(2, 3, 128)
-    out = weights.TorchPackedLinear(linear, fmt)(x)
+    out = packed.TorchPackedLinear(linear, fmt)(x)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
     expected = x.to(torch.bfloat16).float() @ stands_for(fmt, linear.weight.detach()).T + linear.bias.detach()
     assert (out - expected).abs().max() < 0.02  # bf16 accumulation of 128 products of size ~0.1
@@ -47,23 +47,23 @@ def test_native_kernels_compute_with_the_weight_they_stand_for_in_float32(fmt, r
     rounding, W' the same grid as torch's layout (up to the bf16 rounding of its scales)."""
     torch.manual_seed(0)
     linear = nn.Linear(128, 96)
-    packed = weights.pack_linear(linear, fmt)
-    assert isinstance(packed, weights.NativeLinear)
+    layer = packed.pack_linear(linear, fmt)
+    assert isinstance(layer, packed.NativeLinear)
     x = torch.randn(rows, 128)
-    exact = x @ packed.dense().T + linear.bias.detach()
-    assert (packed(x) - exact).abs().max() < 1e-5
-    assert (packed.dense() - stands_for(fmt, linear.weight.detach())).abs().max() < 0.01 * linear.weight.abs().max()
+    exact = x @ layer.dense().T + linear.bias.detach()
+    assert (layer(x) - exact).abs().max() < 1e-5
+    assert (layer.dense() - stands_for(fmt, linear.weight.detach())).abs().max() < 0.01 * linear.weight.abs().max()
 
 
 def test_int4_rounds_each_group_within_half_a_step():
     torch.manual_seed(0)
     weight = torch.randn(64, 96)
-    q, scale_and_zero = weights.quantize_int4(weight)
+    q, scale_and_zero = packed.quantize_int4(weight)
     assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15
-    assert scale_and_zero.shape == (96 // weights.INT4_GROUP, 64, 2)
-    groups = weight.reshape(64, -1, weights.INT4_GROUP)
-    half_step = ((groups.amax(-1) - groups.amin(-1)) / 15 / 2).repeat_interleave(weights.INT4_GROUP, dim=1)
-    error = (weights.dequantize_int4(q, scale_and_zero) - weight).abs()
+    assert scale_and_zero.shape == (96 // packed.INT4_GROUP, 64, 2)
+    groups = weight.reshape(64, -1, packed.INT4_GROUP)
+    half_step = ((groups.amax(-1) - groups.amin(-1)) / 15 / 2).repeat_interleave(packed.INT4_GROUP, dim=1)
+    error = (packed.dequantize_int4(q, scale_and_zero) - weight).abs()
     assert bool((error <= half_step * 1.02 + 0.01).all())  # + the bf16 rounding of scale and zero
 
 
@@ -98,10 +98,10 @@ def test_gated_mlps_are_fused_and_compute_what_they_did(fmt, tiny_folder, monkey
     """Packing stacks each gated MLP's gate and up into one matrix; the logits are bit for bit those
     of the same format unfused (each output row is the same dot product)."""
     model, _ = load_model(str(tiny_folder), weights=fmt)
-    assert sum(isinstance(m, weights.GatedMLP) for m in model.modules()) == model.config.num_hidden_layers
+    assert sum(isinstance(m, packed.GatedMLP) for m in model.modules()) == model.config.num_hidden_layers
     monkeypatch.setattr(weights, "fuse_gated_mlps", lambda model: 0)
     unfused, _ = load_model(str(tiny_folder), weights=fmt)
-    assert not any(isinstance(m, weights.GatedMLP) for m in unfused.modules())
+    assert not any(isinstance(m, packed.GatedMLP) for m in unfused.modules())
     ids = torch.randint(0, 1000, (2, 24))
     assert torch.equal(model(input_ids=ids).logits, unfused(input_ids=ids).logits)
 
@@ -119,7 +119,7 @@ def test_an_mlp_that_combines_its_parts_otherwise_stays_unfused():
     torch.manual_seed(0)
     model = nn.Sequential(UpGated())
     for name in ("gate_proj", "up_proj", "down_proj"):
-        setattr(model[0], name, weights.pack_linear(getattr(model[0], name), "int8"))
+        setattr(model[0], name, packed.pack_linear(getattr(model[0], name), "int8"))
     assert weights.fuse_gated_mlps(model) == 0 and isinstance(model[0], UpGated)
 
 
@@ -130,9 +130,9 @@ def real_int8():
 
 @torch.inference_mode()
 def test_bundled_model_in_int8_predicts_as_fp32_does(real, real_int8, emma_ids):
-    (model, _), (packed, _) = real, real_int8
-    assert stored_bytes(packed) < 0.35 * stored_bytes(model)
-    ours, theirs = packed(input_ids=emma_ids).logits, model(input_ids=emma_ids).logits
+    (model, _), (int8, _) = real, real_int8
+    assert stored_bytes(int8) < 0.35 * stored_bytes(model)
+    ours, theirs = int8(input_ids=emma_ids).logits, model(input_ids=emma_ids).logits
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()
     assert agree > 0.9, f"int8 picks fp32's top token at only {agree:.0%} of 200 positions"
 
