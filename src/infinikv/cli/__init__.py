@@ -7,7 +7,7 @@ import sys
 
 from ..errors import InfinikvError
 from . import assets, bench, evaluate, generate, report, serve
-from .common import Parser
+from .arguments import Parser
 
 
 def build_parser() -> Parser:

@@ -11,7 +11,8 @@ from ..contract import Preparing
 from ..errors import InfinikvError
 from ..policies import REGISTRY, make_policy, parse_spec, policy_class
 from ..preparation import ensure_prepared
-from .common import add_model_argument, add_policy_arguments, load, single_policy, split_policies
+from .arguments import add_model_argument, add_policy_arguments
+from .common import load, single_policy, split_policies
 
 
 def cmd_models(args: argparse.Namespace) -> int:

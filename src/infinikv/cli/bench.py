@@ -14,11 +14,8 @@ from ..errors import InfinikvError
 from ..policies import parse_spec
 from ..results import run_label
 from ..weights import check_format
+from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_arguments
 from .common import (
-    add_compile_argument,
-    add_model_argument,
-    add_policy_arguments,
-    add_ray_arguments,
     append_row,
     counts,
     grid,

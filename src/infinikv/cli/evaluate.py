@@ -12,22 +12,8 @@ from ..errors import InfinikvError
 from ..eval.ruler import TASKS as RULER_TASKS
 from ..grid import Cell
 from ..results import budget_text, needle_found, summary
-from .common import (
-    GRID_JSON,
-    add_compile_argument,
-    add_policy_arguments,
-    add_ray_arguments,
-    add_run_arguments,
-    counts,
-    grid,
-    load,
-    needle_table,
-    policy_cells,
-    ppl_table,
-    prepare,
-    results_file,
-    run_cells,
-)
+from .arguments import GRID_JSON, add_compile_argument, add_policy_arguments, add_ray_arguments, add_run_arguments
+from .common import counts, grid, load, needle_table, policy_cells, ppl_table, prepare, results_file, run_cells
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ from .. import memory, models
 from ..errors import InfinikvError
 from ..policies import parse_spec
 from ..weights import weights_format
-from .common import add_compile_argument, add_model_argument, add_policy_arguments, load, mib, prepare, single_policy
+from .arguments import add_compile_argument, add_model_argument, add_policy_arguments
+from .common import load, mib, prepare, single_policy
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -10,18 +10,8 @@ from .. import models
 from ..cluster import LOCAL
 from ..errors import InfinikvError
 from ..policies import parse_spec
-from .common import (
-    add_compile_argument,
-    add_model_argument,
-    add_policy_arguments,
-    add_ray_flag,
-    check_ray_flags,
-    given_options,
-    load,
-    mib,
-    single_policy,
-    split_policies,
-)
+from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_flag
+from .common import check_ray_flags, given_options, load, mib, single_policy, split_policies
 
 
 def check(args: argparse.Namespace) -> list[dict]:
