@@ -11,7 +11,8 @@ from infinikv import Batch, make_policy
 from infinikv.cache import Evictor, KVLayer, Selection, TwoTier, join, keep
 from infinikv.cache.stats import Clock, Stats
 from infinikv.contract import Budget
-from infinikv.kv.slots import Slots, StateSpec, is_slot_last, put
+from infinikv.kv.layout import is_slot_last, put
+from infinikv.kv.slots import Slots, StateSpec
 from infinikv.kv.tiers import FastTier
 from infinikv.policies.rules import HeavyHitter, SinkRecent
 

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import InfinikvError
 from ..kv import attend as attention
-from ..kv.slots import Slots, Write, expand_to, put
+from ..kv.layout import expand_to, put
+from ..kv.slots import Slots, Write
 from .evict import Evictor
 from .fetch import TwoTier
 from .layer import NOT_ATTACHED, KVLayer

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import InfinikvError
-from .slots import Slots, StateSpec, Write, put
+from .layout import put
+from .slots import Slots, StateSpec, Write
 
 GROUP = 64  # values per scale/minimum along head_dim (FlexGen's group size)
 SCALES = ("k_scale", "k_min", "v_scale", "v_min")

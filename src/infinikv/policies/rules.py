@@ -11,7 +11,8 @@ import math
 import torch
 
 from ..contract import Option, Rule, Scoring
-from ..kv.slots import Slots, StateSpec, expand_to
+from ..kv.layout import expand_to
+from ..kv.slots import Slots, StateSpec
 
 
 class SinkRecent(Rule):

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from ..cache import Selection
-from ..kv.slots import Slots, StateSpec, put
+from ..kv.layout import put
+from ..kv.slots import Slots, StateSpec
 from ..kv.speculation import partial_query, select_by_mass, select_tokens, speculative_scores
 
 
