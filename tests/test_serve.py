@@ -13,6 +13,7 @@ import torch
 from infinikv import Sampling, generate, make_policy
 from infinikv.bench.serving import bench_serve, free_port, running_server
 from infinikv.cli import main
+from infinikv.serve.metrics import snapshot
 from infinikv.serve.sequence import safe_end as _safe_end
 
 MODEL = "smollm2-135m"
@@ -403,7 +404,7 @@ def test_a_conversation_continues_its_cache(real):
         finally:
             scheduler.close()
         assert two.reused == len(first) + one.fed == len(first) + len(one.tokens) - 1  # the last pick is unfed
-        assert scheduler.admission.conversations.hits == 1 and scheduler.snapshot()["reuse_tokens_saved"] == two.reused
+        assert scheduler.admission.conversations.hits == 1 and snapshot(scheduler)["reuse_tokens_saved"] == two.reused
         if policy.name == "full":
             fresh = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0)
             try:
@@ -491,7 +492,7 @@ def test_idle_conversations_make_room_least_recently_used_first(real):
         a, b = converse(
             scheduler, Sequence(prompt, full, Sampling(4), [], None), Sequence(prompt, full, Sampling(5), [], None)
         )
-        kept = scheduler.snapshot()
+        kept = snapshot(scheduler)
         assert kept["conversations_kept"] == 2 and kept["kv_bytes_kept"] == (2 * len(prompt) + 3 + 4) * PER_TOKEN
         converse(scheduler, Sequence(prompt, full, Sampling(6), [], None))  # the third: the oldest goes
         assert scheduler.admission.conversations.dropped == 1
@@ -500,7 +501,7 @@ def test_idle_conversations_make_room_least_recently_used_first(real):
             len(prompt) + 5,
         ]
         converse(scheduler, Sequence(prompt, full, Sampling(40), [], None))  # needs the whole budget
-        after = scheduler.snapshot()
+        after = snapshot(scheduler)
         assert (
             after["conversations_dropped"] == 3
             and after["conversations_kept"] == 1

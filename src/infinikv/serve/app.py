@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from ..core import Sampling
 from ..errors import InfinikvError
 from .catalog import PolicyCatalog
-from .metrics import Peers, prometheus, publish
+from .metrics import Peers, prometheus, publish, snapshot
 from .replies import Reply, error_response, stream
 from .scheduler import Scheduler
 from .schemas import (
@@ -128,7 +128,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        numbers = state["scheduler"].snapshot()
+        numbers = snapshot(state["scheduler"])
         replicas = await asyncio.to_thread(peers.gather, numbers) if peers else {"": numbers}
         return PlainTextResponse(prometheus(replicas), media_type="text/plain; version=0.0.4")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
 from .scheduler import Scheduler
@@ -24,11 +25,37 @@ class Peers(Protocol):
 PUBLISH_SECONDS = 1.0
 
 
+def snapshot(scheduler: Scheduler) -> dict[str, Any]:
+    """What a replica publishes for /metrics: requests, tokens, K/V held and reserved, the queue,
+    batching, fetches and kept conversations."""
+    now = time.monotonic()
+    with scheduler.cond:
+        recent = [(t, n) for t, n in scheduler.recent if now - t <= 10]
+        return {
+            **{f"requests_{k}": v for k, v in scheduler.counts.items()},
+            "tokens_generated": scheduler.tokens_generated,
+            "tokens_per_second": sum(n for _, n in recent) / 10,
+            "kv_bytes_in_use": scheduler.held,
+            "kv_bytes_reserved": scheduler.admission.reserved,
+            "kv_bytes_budget": scheduler.admission.kv_memory,
+            "queue_length": len(scheduler.admission.waiting),
+            "active_sequences": scheduler.active_count,
+            "decode_steps": scheduler.steps,
+            "max_batch": scheduler.max_batch,
+            "fetch_fraction": {name: sum(f) / len(f) for name, f in scheduler.fetched.items()},
+            "conversations_kept": len(scheduler.admission.conversations.idle),
+            "kv_bytes_kept": scheduler.admission.conversations.bytes,
+            "reuse_hits": scheduler.admission.conversations.hits,
+            "reuse_tokens_saved": scheduler.admission.conversations.tokens_saved,
+            "conversations_dropped": scheduler.admission.conversations.dropped,
+        }
+
+
 def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
     """Share this replica's numbers with its peers every ``PUBLISH_SECONDS`` until ``stop``."""
     while not stop.wait(PUBLISH_SECONDS):
         try:
-            peers.publish(scheduler.snapshot())
+            peers.publish(snapshot(scheduler))
         except Exception:  # a board that is gone (the driver left) must not stop the replica
             pass
 

@@ -19,7 +19,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -115,30 +114,6 @@ class Scheduler:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout=30)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Numbers for /metrics."""
-        now = time.monotonic()
-        with self.cond:
-            recent = [(t, n) for t, n in self.recent if now - t <= 10]
-            return {
-                **{f"requests_{k}": v for k, v in self.counts.items()},
-                "tokens_generated": self.tokens_generated,
-                "tokens_per_second": sum(n for _, n in recent) / 10,
-                "kv_bytes_in_use": self.held,
-                "kv_bytes_reserved": self.admission.reserved,
-                "kv_bytes_budget": self.admission.kv_memory,
-                "queue_length": len(self.admission.waiting),
-                "active_sequences": self.active_count,
-                "decode_steps": self.steps,
-                "max_batch": self.max_batch,
-                "fetch_fraction": {name: sum(f) / len(f) for name, f in self.fetched.items()},
-                "conversations_kept": len(self.admission.conversations.idle),
-                "kv_bytes_kept": self.admission.conversations.bytes,
-                "reuse_hits": self.admission.conversations.hits,
-                "reuse_tokens_saved": self.admission.conversations.tokens_saved,
-                "conversations_dropped": self.admission.conversations.dropped,
-            }
 
     @property
     def active_count(self) -> int:

@@ -71,7 +71,6 @@ class Sequence:
 
     def add(self, token: int, eos: set[int]) -> None:
         """Take the next token, emit the text it completes, decide if the sequence is done."""
-
         if token in eos and not self.ignore_eos:
             self.finish_reason = "stop"
             self.text += self.detokenizer.flush()
