@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from infinikv.bench.serving import free_port
+from infinikv.bench.server import free_port
 from infinikv.cli import main
 
 GRID = ["--context", "128", "--continuation", "12", "--policies", "full,sink,h2o", "--budgets", "0.5", "--quiet"]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from infinikv import Sampling, generate, make_policy
-from infinikv.bench.serving import bench_serve, free_port, running_server
+from infinikv.bench.server import free_port, running_server
+from infinikv.bench.serving import bench_serve
 from infinikv.cli import main
 from infinikv.serve.metrics import snapshot
 from infinikv.serve.sequence import safe_end as _safe_end

@@ -225,7 +225,7 @@ def test_server_with_int8_weights_answers_as_the_engine_does(real_int8):
     import openai
 
     from infinikv import Sampling, generate
-    from infinikv.bench.serving import running_server
+    from infinikv.bench.server import running_server
 
     model, tokenizer = real_int8
     prompt = "The capital of France is"

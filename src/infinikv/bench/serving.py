@@ -12,21 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 import psutil
 
-from ..errors import InfinikvError
+from .server import running_server
 
 PROMPTS = [  # openings the bundled model continues for at least 32 tokens under greedy decoding
     "Once upon a time, a lighthouse keeper",
@@ -40,12 +34,6 @@ PROMPTS = [  # openings the bundled model continues for at least 32 tokens under
     "The old city was quiet when",
     "My grandmother always said that",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
@@ -271,40 +259,3 @@ def bench_serve(
             else {}
         ),
     }
-
-
-@contextmanager
-def running_server(model: str, serve_args: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``infinikv serve`` on a free loopback port, once it answers /health: (base URL, process)."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
-    log = tempfile.TemporaryFile()
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    try:
-        _wait_healthy(server, base, log, timeout=300)
-        yield base, server
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
-def _wait_healthy(server: subprocess.Popen, base: str, log, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            log.seek(0)
-            last = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()][-1:]
-            raise InfinikvError(f"the server exited with {server.returncode}: {' '.join(last) or 'no output'}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise InfinikvError(f"the server did not answer /health within {timeout:.0f} s")

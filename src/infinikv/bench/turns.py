@@ -19,7 +19,8 @@ import httpx
 import psutil
 
 from ..data import load_text
-from .serving import RssSampler, model_bytes, percentile_ms, running_server, sse_chunks
+from .server import running_server
+from .serving import RssSampler, model_bytes, percentile_ms, sse_chunks
 
 
 def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> str:
