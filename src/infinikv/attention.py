@@ -20,6 +20,7 @@ from . import native
 from .cache import GroupedCache, KVCache
 from .modules import attention_modules
 from .policies import parse_spec
+from .sizes import model_device
 
 NAME = "infinikv"
 POLICY_CONFIG_KEY = "infinikv_policy"  # a model's own policy, saved in its config.json
@@ -77,7 +78,7 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     whose config names a default policy (``config.infinikv_policy``) uses it in ``generate()``
     whenever no cache is passed.
     """
-    if next(model.parameters()).device.type == "cpu":
+    if model_device(model).type == "cpu":
         native.available()  # build or load the CPU kernels now, not inside the first decode step
     AttentionInterface.register(NAME, infinikv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -40,6 +40,7 @@ from . import native
 from .errors import InfinikvError
 from .paths import home
 from .policies import Policy
+from .sizes import model_device
 from .weights import weights_format
 
 SIZE_OPTIONS = ("budget", "capacity", "kv_memory")  # shape the slots only: not part of the key
@@ -66,7 +67,7 @@ def source_digest() -> str:
 def step_key(model: torch.nn.Module, policy: Policy, rows: int) -> str:
     """What a compiled step depends on (see the module docstring), as a short hex digest."""
     spec = {k: v for k, v in policy.spec().items() if k not in SIZE_OPTIONS}
-    device = next(model.parameters()).device
+    device = model_device(model)
     parts = {
         "source": source_digest(),
         "native": native.build_key() if native.ready else None,
@@ -113,7 +114,7 @@ def resolve(
         return False
     if mode != "auto":
         raise InfinikvError(f"--compile takes {', '.join(MODES)}, got {mode!r}")
-    device = next(model.parameters()).device.type
+    device = model_device(model).type
     if device not in ("cpu", "cuda") or not policy.compilable:
         return False
     try:

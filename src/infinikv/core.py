@@ -27,10 +27,7 @@ from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+from .sizes import model_device
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from .contract import Preparing
 from .data import load_text
 from .policies import Policy
+from .sizes import model_device
 
 
 def text_reader(model: torch.nn.Module, tokenizer: Any):
@@ -20,7 +21,7 @@ def text_reader(model: torch.nn.Module, tokenizer: Any):
 
     def read(name: str, tokens: int) -> torch.Tensor:
         ids = tokenizer(load_text(name, from_chapter_one=True)[: tokens * 8], return_tensors="pt").input_ids
-        return ids[:, :tokens].to(next(model.parameters()).device)
+        return ids[:, :tokens].to(model_device(model))
 
     return read
 

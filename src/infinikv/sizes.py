@@ -1,4 +1,5 @@
-"""Sizes: as people write them (``64MiB``, ``2GB``), and a model's K/V shapes from its config."""
+"""Sizes: as people write them (``64MiB``, ``2GB``), a model's K/V shapes from its config, and the
+device its weights are on."""
 
 from __future__ import annotations
 
@@ -57,3 +58,8 @@ def sliding_window(config: Any, index: int) -> int | None:
 def windows(config: Any) -> list[int | None]:
     """``sliding_window`` of every layer."""
     return [sliding_window(config, i) for i in range(config.num_hidden_layers)]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s weights (where its inputs and caches go)."""
+    return next(model.parameters()).device

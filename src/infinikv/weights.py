@@ -27,6 +27,7 @@ from torch import nn
 
 from .errors import InfinikvError
 from .packed import INT4_GROUP, PackedEmbedding, PackedLinear, fuse_gated_mlps, pack_linear
+from .sizes import model_device
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 UNPACKED = "fp32"  # the weights as loaded
@@ -71,7 +72,7 @@ def pack_weights(model: nn.Module, fmt: str) -> nn.Module:
     that table by 9.7% of its mean magnitude). Every other ``nn.Linear`` is packed as ``fmt``,
     and then each gated MLP's gate and up projections are stacked into one (``fuse_gated_mlps``).
     """
-    check_format(fmt, next(model.parameters()).device)
+    check_format(fmt, model_device(model))
     if fmt == UNPACKED:
         return model
     model.set_input_embeddings(PackedEmbedding(model.get_input_embeddings(), fmt))

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core import model_device
 from ..policies.base import KEEP_ALL_PREFILL_CHUNK
+from ..sizes import model_device
 
 
 class DynamicBaseline:

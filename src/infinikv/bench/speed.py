@@ -19,6 +19,7 @@ from ..core import Batch
 from ..errors import InfinikvError
 from ..policies import Policy
 from ..results import PEER
+from ..sizes import model_device
 from ..weights import stored_bytes, weights_format
 from .baseline import DynamicBaseline
 
@@ -176,7 +177,7 @@ def bench_speed(
     and ``both`` times each compilable policy eager and compiled side by side.
     """
     variants = dict(model) if isinstance(model, Mapping) else {weights_format(model): model}
-    device = next(next(iter(variants.values())).parameters()).device
+    device = model_device(next(iter(variants.values())))
     ids = ids.to(device)
     triad = Triad(device)
     link = host_to_device_bandwidth(device) if device.type == "cuda" else None

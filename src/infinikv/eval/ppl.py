@@ -10,9 +10,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..core import Batch, model_device
+from ..core import Batch
 from ..errors import InfinikvError
 from ..policies import Policy
+from ..sizes import model_device
 
 
 def context_tokens(tokenizer, text: str, context: int, continuation: int) -> torch.Tensor:

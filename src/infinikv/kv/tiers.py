@@ -17,12 +17,13 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from ..sizes import model_device
 from .slots import Slots
 
 
 def slow_tier(model: torch.nn.Module) -> torch.device | None:
     """Where the slow tier lives: host memory when the model runs on a GPU, else the same RAM."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     return torch.device("cpu") if device.type == "cuda" else None
 
 

@@ -25,7 +25,7 @@ from ..kv.speculation import (
     speculative_scores,
 )
 from ..modules import attention_modules, is_rotary, partial_weights, project
-from ..sizes import sliding_window
+from ..sizes import model_device, sliding_window
 
 PREP_FILE = "infinikv-infinigen.json"
 PREP_VERSION = 2  # 2: the coverage curves of the mass rule
@@ -72,7 +72,7 @@ def load(model: torch.nn.Module, fit: Fit) -> dict[str, Any] | None:
 
 def fit_and_save(model: torch.nn.Module, ids: torch.Tensor, text: str, fit: Fit, progress: bool = False) -> Path:
     """Calibrate on ``ids`` (1, n), the first tokens of ``text``, and save it next to the model."""
-    prep = calibrate(model, ids.to(next(model.parameters()).device), fit, progress)
+    prep = calibrate(model, ids.to(model_device(model)), fit, progress)
     prep["calibration"], prep["version"] = text, PREP_VERSION
     path = prep_path(model, fit)
     path.write_text(json.dumps(prep))
