@@ -1,7 +1,8 @@
 """The contract every part of a KV policy is written against, importing nothing of infinikv's
-but its error type: options, budgets, how a preparation runs, eviction rules and the cost a policy declares to the
-offload planner. Storage, the cache stages, the policies and the planner all import this module;
-it imports none of them, so the import graph starts here and points down.
+but its error type: options, budgets, how a preparation runs, eviction rules and the cost a
+policy declares to the offload planner. The cache stages, the policies and the planner import
+this module; storage (``kv``) imports neither it nor them, and it imports none of them (only,
+for annotations, the slots' types).
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 attends to the rows a ``Selection`` chooses, copied to the fast tier (``kv.tiers``).
 
 A selection runs as the previous layer's attention starts (``ahead``, so the copy can overlap
-that layer on a GPU) or as its own layer's starts. Choosing the rows never reads the device:
-every copy between tiers has a size known on the host (a rule that wants fewer rows masks the
-rest; see ``kv.speculation.select_by_mass``).
+that layer on a GPU) or as its own layer's starts. Choosing the rows does not read the device
+under the default rules: a copy between tiers has a size known on the host (a rule that wants
+fewer rows masks the rest; see ``kv.speculation.select_by_mass``). ``--select alpha`` is the
+exception: its row count is the most any sequence wants (``kv.speculation.select_tokens``), one
+read of the device per layer and step.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ def select_tokens(
     one per sequence (b,)); each KV
     head then takes its top tokens by the largest logit any of its g query heads gives them.
     Returns ``(rows, fetch)``, both (b, h, k) with k the largest count in the batch, sorted by
-    slot: ``fetch`` is False where a sequence needs fewer than k tokens.
+    slot: ``fetch`` is False where a sequence needs fewer than k tokens. Reading k is a host sync
+    (the paper's rule; ``select_by_mass`` is the one that makes none).
     """
     n = scores.shape[-1]
     wanted = (scores > scores.amax(-1, keepdim=True) - alpha) & (scores > -math.inf)
