@@ -97,3 +97,28 @@ def test_every_command_in_the_docs_parses():
             except (SystemExit, InfinikvError) as exc:
                 failures.append(f"{page.relative_to(ROOT)}: {command} ({exc})")
     assert count >= 30 and failures == [], "\n".join(failures)
+
+
+def test_any_rows_lay_out_by_pivot_or_columns(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    rows = [
+        {"policy": "full", "task": "multikey_1", "length": 2048, "accuracy": 0.8, "attended": 1.0},
+        {"policy": "infinigen", "task": "multikey_1", "length": 2048, "accuracy": 0.4, "attended": 0.1},
+        {"policy": "full", "task": "single_1", "length": 2048, "accuracy": 1.0, "attended": 1.0},
+        {"policy": "full", "task": "single_1", "length": 4096, "accuracy": 0.9, "attended": 1.0},
+    ]
+    pages.keep(rows, tmp_path / "docs" / "results" / "r.json", "infinikv eval ruler")
+    page = tmp_path / "docs" / "r.md"
+    page.write_text(
+        "<!-- results: r.json pivot down=run across=task value=accuracy format=.0% where=length:2048 -->\n"
+        "<!-- /results -->\n<!-- results: r.json columns fields=run;length:,;attended:.1% -->\n<!-- /results -->\n"
+    )
+    (tmp_path / "README.md").write_text("")
+    pages.refresh(tmp_path)
+    text = page.read_text()
+    assert "| run | multikey_1 | single_1 |" in text
+    assert "| full | 80% | 100% |" in text and "| infinigen | 40% | - |" in text  # no single_1 row: a dash
+    assert "| infinigen | 2,048 | 10.0% |" in text and "| full | 4,096 | 100.0% |" in text
+    page.write_text("<!-- results: r.json pivot down=run -->\n<!-- /results -->\n")
+    with pytest.raises(InfinikvError, match="pivot"):  # a missing argument is named, not a traceback
+        pages.refresh(tmp_path)

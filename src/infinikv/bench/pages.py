@@ -1,10 +1,12 @@
 """The measured tables of the README and the docs, generated from committed result rows.
 
-A page marks where a table goes with ``<!-- results: FILE TABLE -->`` and ``<!-- /results -->``;
-``docs/results/FILE`` holds the rows and how they were measured (``command``, ``commit``,
-``machine``, ``date``), and ``TABLE`` names one of ``TABLES``. ``infinikv report --docs``
-rewrites every marked block from its rows, so no measured number is typed by hand and a
-re-measurement is new rows, not an edited sentence; a test checks the pages are up to date.
+A page marks where a table goes with ``<!-- results: FILE TABLE [KEY=VALUE ...] -->`` and
+``<!-- /results -->``; ``docs/results/FILE`` holds the rows and how they were measured (``command``,
+``commit``, ``machine``, ``date``), ``TABLE`` names one of ``TABLES`` and the ``KEY=VALUE`` words
+are its arguments (``pivot`` and ``columns`` lay out any rows, so a new result needs no new code).
+``infinikv report --docs`` rewrites every marked block from its rows, so no measured number is typed
+by hand and a re-measurement is new rows, not an edited sentence; a test checks the pages are up to
+date.
 """
 
 from __future__ import annotations
@@ -21,7 +23,55 @@ from pathlib import Path
 from ..errors import InfinikvError
 from ..results import run_label
 
-MARKED = re.compile(r"(<!-- results: (\S+\.json) (\w+) -->\n).*?(<!-- /results -->)", re.DOTALL)
+MARKED = re.compile(r"(<!-- results: (\S+\.json) (\w+)((?: \S+=\S+)*) -->\n).*?(<!-- /results -->)", re.DOTALL)
+RUN = "run"  # a field name standing for ``run_label``: the policy, its budget, weights and compilation
+
+
+def field(row: dict, name: str) -> object:
+    """``row[name]``, or the run's label for ``run``."""
+    return run_label(row) if name == RUN else row.get(name)
+
+
+def selected(rows: list[dict], where: str | None) -> list[dict]:
+    """The rows matching ``where`` (``FIELD:VALUE[,FIELD:VALUE...]``, compared as text), or all."""
+    for condition in where.split(",") if where else []:
+        name, _, value = condition.partition(":")
+        rows = [r for r in rows if str(field(r, name)) == value]
+    return rows
+
+
+def cell(value: object, spec: str) -> str:
+    """A value as a table shows it: ``-`` when missing, numbers with ``spec``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return format(value, spec)
+
+
+def pivot_table(
+    rows: list[dict], down: str, across: str, value: str, format: str = ",.1f", where: str | None = None
+) -> list[str]:
+    """``value`` of each (``down``, ``across``) pair: one line per ``down``, one column per ``across``,
+    both in the rows' order (a pair measured twice shows its last row)."""
+    rows = selected(rows, where)
+    columns = list(dict.fromkeys(str(field(r, across)) for r in rows))
+    lines_of = list(dict.fromkeys(field(r, down) for r in rows))
+    cells = {(field(r, down), str(field(r, across))): cell(field(r, value), format) for r in rows}
+    header = ["| " + down.replace("_", " ") + " | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    return header + [
+        f"| {cell(d, ',')} | " + " | ".join(cells.get((d, c), "-") for c in columns) + " |" for d in lines_of
+    ]
+
+
+def columns_table(rows: list[dict], fields: str, where: str | None = None) -> list[str]:
+    """One line per row, one column per field of ``fields`` (``NAME[:FORMAT];...``; Python's format
+    spec, ``,.1f`` if not given: ``,`` for a count, ``.1%`` for a share)."""
+    specs = [(name, spec or ",.1f") for name, _, spec in (f.partition(":") for f in fields.split(";"))]
+    lines = ["| " + " | ".join(name.replace("_", " ") for name, _ in specs) + " |", "|---" * len(specs) + "|"]
+    for r in selected(rows, where):
+        lines.append("| " + " | ".join(cell(field(r, name), spec) for name, spec in specs) + " |")
+    return lines
 
 
 def pivot(rows: list[dict], key: str, spec: str) -> list[str]:
@@ -59,11 +109,14 @@ def prefill_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-TABLES: dict[str, Callable[[list[dict]], list[str]]] = {
+TABLES: dict[str, Callable[..., list[str]]] = {
     "decode": decode_table,
     "prompt": prompt_table,
     "prefill": prefill_table,
+    "pivot": pivot_table,
+    "columns": columns_table,
 }
+TABLE_ARGUMENTS = re.compile(r"(\w+)=(\S+)")
 
 
 def machine() -> str:
@@ -101,7 +154,7 @@ def render(text: str, results: Path, page: Path) -> str:
     """``text`` (of ``page``) with every marked block rewritten from its rows in ``results``."""
 
     def block(match: re.Match) -> str:
-        opening, name, table, closing = match.groups()
+        opening, name, table, arguments, closing = match.groups()
         if table not in TABLES:
             raise InfinikvError(f"unknown results table {table!r} (known: {', '.join(TABLES)})")
         try:
@@ -113,7 +166,11 @@ def render(text: str, results: Path, page: Path) -> str:
             f"([rows]({os.path.relpath(results / name, page.parent)})):"
         )
         command = ["", "```sh", measured["command"], "```"]
-        return "\n".join([opening + source, *command, "", *TABLES[table](measured["rows"]), "", closing])
+        try:
+            lines = TABLES[table](measured["rows"], **dict(TABLE_ARGUMENTS.findall(arguments)))
+        except (TypeError, KeyError) as exc:
+            raise InfinikvError(f"{page}: results table {table} {arguments.strip()}: {exc}") from None
+        return "\n".join([opening + source, *command, "", *lines, "", closing])
 
     return MARKED.sub(block, text)
 
