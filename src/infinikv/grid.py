@@ -26,6 +26,7 @@ PROTOCOLS: dict[str, tuple[str, ...]] = {
     "RULER": ("task", "length", "samples", "seed", "text"),
     "P-stream": ("text", "tokens", "chunk", "window"),
     "recall": ("text", "context", "steps"),
+    "followup": ("length", "questions", "samples", "seed", "text"),
 }
 METRICS = {
     "P-ctx": "perplexity",
@@ -33,6 +34,7 @@ METRICS = {
     "RULER": "accuracy",
     "P-stream": "perplexity",
     "recall": "recall",
+    "followup": "accuracy",  # one per question
 }
 
 
@@ -175,6 +177,23 @@ def _ruler(worker: Worker, policy, task: str, length: int, samples: int, seed: i
         return run_cell(worker.model, worker.tokenizer, prompts, policy, stop_ids, batch_size, bar)
 
 
+def _followup(
+    worker: Worker, policy, length: int, questions: int, samples: int, seed: int, text: str, batch_size: int
+) -> dict:
+    from .engine import end_of_sequence_ids
+    from .eval.followup import conversations, run_followup
+
+    key = ("followup", length, questions, samples, seed, text)
+    chats = worker.cached(
+        key, lambda: conversations(worker.tokenizer, worker.text(text), length, questions, samples, seed)
+    )
+    stop_ids = sorted(end_of_sequence_ids(worker.model, worker.tokenizer))
+    with tqdm(
+        total=samples, desc=f"follow-up {policy.label()}", unit="chat", disable=not worker.progress, leave=False
+    ) as bar:
+        return run_followup(worker.model, worker.tokenizer, chats, policy, stop_ids, batch_size, bar)
+
+
 def _stream(worker: Worker, policy, text: str, tokens: int, chunk: int, window: int) -> dict:
     from .eval.stream import stream, stream_tokens
 
@@ -199,6 +218,7 @@ RUNNERS: dict[str, Callable[..., dict]] = {
     "RULER": _ruler,
     "P-stream": _stream,
     "recall": _recall,
+    "followup": _followup,
 }
 
 

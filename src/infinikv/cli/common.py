@@ -157,7 +157,9 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
     def describe(row: dict) -> str:
         where = f"{row['task']} at {row['length']}: " if row["protocol"] == "RULER" else ""
         metric = METRICS[row["protocol"]]
-        return f"{where}{row['label']} budget={budget_text(row)} {metric}={row[metric]:.4g}"
+        value = row[metric]
+        shown = " ".join(f"{v:.4g}" for v in value) if isinstance(value, list) else f"{value:.4g}"
+        return f"{where}{row['label']} budget={budget_text(row)} {metric}={shown}"
 
     if args.ray is None:
         worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer), weights=args.weights)

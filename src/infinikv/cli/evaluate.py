@@ -1,4 +1,5 @@
-"""``infinikv eval``: P-ctx perplexity, P-needle pass keys, P-stream windows, attention recall."""
+"""``infinikv eval``: P-ctx perplexity, P-needle pass keys, RULER, follow-up questions, P-stream windows,
+attention recall."""
 
 from __future__ import annotations
 
@@ -93,6 +94,56 @@ def cmd_ruler(args: argparse.Namespace) -> int:
         print(f"heatmap -> {ruler_heatmap(rows, Path(args.heatmap))}", file=sys.stderr)
     print(json.dumps(rows, indent=2) if args.json else f"{summary(rows)}\n\n{needle_found(rows)}".rstrip())
     return 0
+
+
+def cmd_followup(args: argparse.Namespace) -> int:
+    from ..eval.followup import conversations, question_rows
+
+    policies = grid(args)
+    lengths = sorted(set(counts(args.lengths, "--lengths")))
+    if args.samples < 1 or args.batch_size < 1 or args.questions < 1:
+        raise InfinikvError("--questions, --samples and --batch-size must be at least 1")
+    text = data.load_text(args.text, from_chapter_one=True)
+    model, tokenizer = load(args)
+    for length in lengths:  # every length must hold its needles before any cell runs
+        conversations(tokenizer, text, length, args.questions, 1, args.seed)
+    prepare(policies, model, tokenizer, args.text, not args.quiet)
+    out = results_file(args, "followup")
+    print(
+        f"follow-up: {args.questions} questions per document, {len(lengths)} lengths x {len(policies)} policies, "
+        f"{args.samples} documents per cell; results -> {out}",
+        file=sys.stderr,
+    )
+    params = {"questions": args.questions, "samples": args.samples, "seed": args.seed, "text": args.text}
+    cells = [
+        Cell("followup", args.model, p.spec(), {"length": n, **params}, {"batch_size": args.batch_size}, args.weights)
+        for n in lengths
+        for p in policies
+    ]
+    rows = [q for row in run_cells(args, cells, out, model, tokenizer) for q in question_rows(row)]
+    print(json.dumps(rows, indent=2) if args.json else followup_table(rows))
+    return 0
+
+
+def followup_table(rows: list[dict]) -> str:
+    """Accuracy x100 per question index, K/V held after the last answer, attended share."""
+    questions = max(r["question"] for r in rows)
+    lines = [
+        f"{'length':>7} {'policy':<28} {'budget':>7} "
+        + " ".join(f"{'q' + str(q):>6}" for q in range(1, questions + 1))
+        + f" {'held MiB':>9} {'attended':>9}"
+    ]
+    cells: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["length"], r["label"], budget_text(r)), {})[r["question"]] = r
+    for (length, label, budget), by_question in cells.items():
+        last = by_question[max(by_question)]
+        lines.append(
+            f"{length:>7} {label:<28} {budget:>7} "
+            + " ".join(f"{100 * by_question[q]['accuracy']:>6.1f}" for q in sorted(by_question))
+            + f" {last['held_bytes'] / 2**20:>9.1f} {last['attended_fraction']:>9.1%}"
+        )
+    return "\n".join(lines)
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
@@ -191,6 +242,18 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     add_policy_arguments(p, grid=True)
     add_ray_arguments(p)
     p.set_defaults(func=cmd_ruler)
+
+    p = ev.add_parser("followup", help="several questions about one document, asked in turn through one cache")
+    add_run_arguments(p, GRID_JSON)
+    p.add_argument("--lengths", default="2048", help="comma-separated document lengths in tokens (default 2048)")
+    p.add_argument("--questions", type=int, default=3, help="questions per document, each about its own needle")
+    p.add_argument("--samples", type=int, default=10, help="documents per length and policy (default 10)")
+    p.add_argument("--text", default="austen:emma", help="the text the needles are hidden in")
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys, values and depths")
+    p.add_argument("--batch-size", type=int, default=4, help="conversations decoded together (default 4)")
+    add_policy_arguments(p, grid=True)
+    add_ray_arguments(p)
+    p.set_defaults(func=cmd_followup)
 
     p = ev.add_parser("stream", help="P-stream: perplexity per window over a long stream, memory over time")
     add_run_arguments(p, GRID_JSON)

@@ -51,7 +51,7 @@ def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
 
 
-def _split(template: str, sep: str, **fields: str) -> tuple[str, str]:
+def split_template(template: str, sep: str, **fields: str) -> tuple[str, str]:
     """A template's text before and after ``{context}``; the context's units carry their own
     leading separator, so the head drops one it would duplicate."""
     head, tail = template.split("{context}")
@@ -59,14 +59,19 @@ def _split(template: str, sep: str, **fields: str) -> tuple[str, str]:
     return (head[: -len(sep)] if head.endswith(sep) else head), tail.format(**fields)
 
 
-def niah(task: Task, ids: Memo, rng: random.Random, depth: float, text_units: list[list[int]]) -> Parts:
-    count = max(task.keys, task.queries)
+def niah_keys(task: Task, rng: random.Random, count: int) -> tuple[list[str], list[list[str]]]:
+    """``count`` distinct keys of the task's kind, and ``task.values`` values for each."""
     keys: list[str] = []
     while len(keys) < count:
         key = _random(rng, task.key)
         if key not in keys:
             keys.append(key)
-    values = [[_random(rng, task.value) for _ in range(task.values)] for _ in keys]
+    return keys, [[_random(rng, task.value) for _ in range(task.values)] for _ in keys]
+
+
+def niah(task: Task, ids: Memo, rng: random.Random, depth: float, text_units: list[list[int]]) -> Parts:
+    count = max(task.keys, task.queries)
+    keys, values = niah_keys(task, rng, count)
     asked = rng.sample(range(count), task.queries)
     answers = [v for i in asked for v in values[i]]
     one = len(answers) == 1
@@ -75,7 +80,7 @@ def niah(task: Task, ids: Memo, rng: random.Random, depth: float, text_units: li
     template, prefix = (NIAH_TEMPLATE_ONE, NIAH_ANSWER_PREFIX_ONE) if one else (NIAH_TEMPLATE, NIAH_ANSWER_PREFIX)
     prefix = prefix.format(kind=kind, query=query)
     sep = " " if task.haystack == "text" else "\n"
-    head, tail = _split(template, sep, kind=kind, query=query)
+    head, tail = split_template(template, sep, kind=kind, query=query)
     order = [(i, v) for i in asked for v in values[i]] + [
         (i, v) for i in range(count) if i not in asked for v in values[i]
     ]
@@ -140,7 +145,7 @@ def vt(ids: Memo, rng: random.Random) -> Parts:
         + " "
         + " ".join(shown)
     )
-    head, tail = _split(VT_TEMPLATE, "\n", query=str(value))
+    head, tail = split_template(VT_TEMPLATE, "\n", query=str(value))
     prefix = VT_ANSWER_PREFIX.format(count=5, query=value)
     depths = sorted(rng.random() for _ in asked)
     needles = [(d, "\n" + s) for d, s in zip(depths, _chain(asked, value), strict=True)]
@@ -160,7 +165,7 @@ def cwe(ids: Memo, rng: random.Random, length: int) -> Parts:
     example = (
         CWE_TEMPLATE.format(context=_numbered(shown_list)) + CWE_ANSWER_PREFIX + " " + _numbered(shown[:10]) + "\n\n"
     )
-    head, tail = _split(CWE_TEMPLATE, " ")
+    head, tail = split_template(CWE_TEMPLATE, " ")
 
     def units(fill: int) -> list[list[int]]:
         numbers = ids(["1."] + [f" {i}." for i in range(2, fill // 2 + 2)])
@@ -199,7 +204,7 @@ def fwe(ids: Memo, rng: random.Random, length: int) -> Parts:
     """RULER's coded words: ``length // 50`` random 6-letter words, the k-th repeated
     ``int(n / (k**2 * zeta(2)))`` times for the largest ``n`` that fits; the first is ``...``, noise.
     At least 5 words, so that the top 3 have a runner-up to beat."""
-    head, tail = _split(FWE_TEMPLATE, " ")
+    head, tail = split_template(FWE_TEMPLATE, " ")
     size = max(length // 50, 5)
     vocab = ["..."]
     while len(vocab) < size:

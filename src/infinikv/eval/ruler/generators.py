@@ -52,7 +52,7 @@ def generate(
     if task.haystack == "text":
         if not haystack_text or not haystack_text.strip():
             raise InfinikvError(f"{task.name} needs a haystack text; give one (e.g. austen:emma)")
-        text_units = _sentences(tokenizer, haystack_text, length)
+        text_units = sentences(tokenizer, haystack_text, length)
     ids = Memo(tokenizer)
     out = []
     for index in range(samples):
@@ -66,7 +66,7 @@ def generate(
             parts = cwe(ids, rng, length)
         else:
             parts = fwe(ids, rng, length)
-        prompt, depths, spans = _assemble(task, tokenizer, ids, length, parts)
+        prompt, depths, spans = assemble(task, tokenizer, ids, length, parts)
         out.append(
             Sample(
                 task=task.name,
@@ -84,7 +84,7 @@ def generate(
     return out
 
 
-def _assemble(
+def assemble(
     task: Task, tokenizer: PreTrainedTokenizerBase, ids: Memo, length: int, parts: Parts
 ) -> tuple[list[int], list[float], list[tuple[int, int]]]:
     """Cut the haystack so the prompt is exactly ``length`` tokens; put each needle at the unit
@@ -117,7 +117,7 @@ def _assemble(
     return prompt, [round(a / fill, 4) for a in at[: parts.reported]], spans
 
 
-def _sentences(tokenizer: PreTrainedTokenizerBase, text: str, length: int) -> list[list[int]]:
+def sentences(tokenizer: PreTrainedTokenizerBase, text: str, length: int) -> list[list[int]]:
     """The text's first sentences, each tokenized with a leading space, covering ``length`` tokens
     (tokenizing only as much of a long novel as the prompt needs)."""
     chars = 8 * length
