@@ -53,15 +53,16 @@ def test_each_turn_answers_as_the_whole_history_read_at_once(tiny_chat):
     assert together["held_bytes"][0] < together["held_bytes"][1] < together["held_bytes"][2]  # the chat grows
 
 
-def test_a_bounded_cache_holds_its_budget_through_every_turn(tiny_chat):
+@pytest.mark.parametrize("name", ["bct", "kvzip"])
+def test_a_bounded_cache_holds_its_budget_through_every_turn(tiny_chat, name):
     model, tokenizer, chats = tiny_chat
-    row = run_followup(model, tokenizer, chats, parse_spec({"policy": "bct", "capacity": 64}), [], batch_size=3)
+    row = run_followup(model, tokenizer, chats, parse_spec({"policy": name, "capacity": 64}), [], batch_size=3)
     full = run_followup(model, tokenizer, chats, parse_spec({"policy": "full"}), [], batch_size=3)
     assert row["held_bytes"][0] == row["held_bytes"][2] < full["held_bytes"][0] / 4  # constant: the capacity
     assert all(a < 0.5 for a in row["attended_fraction"])
     rows = question_rows(row)
     assert [r["question"] for r in rows] == [1, 2, 3] and rows[2]["held_bytes"] == row["held_bytes"][2]
-    assert "outputs" not in rows[0] and rows[0]["policy"] == "bct"
+    assert "outputs" not in rows[0] and rows[0]["policy"] == name
 
 
 def test_the_command_writes_a_row_per_question(capsys, tmp_path, tiny_folder):

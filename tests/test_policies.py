@@ -153,7 +153,7 @@ def test_capacity_is_never_exceeded(real, emma_ids, name):
     model, _ = real
     capacity = 32
     batch = Batch(model, make_policy(name, capacity=capacity))
-    batch.feed(emma_ids[:, :100])
+    batch.prefill([emma_ids[0, :100].tolist()], 0, chunk=100)  # one forward, as a prompt (kvzip reads it twice first)
     for i in range(100, 160):
         batch.step(emma_ids[:, i])
         for layer in batch.cache.layers:

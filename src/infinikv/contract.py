@@ -122,11 +122,14 @@ class Rule(ABC):
     drops its lowest-scored valid slots (one ``argmin`` per decode step). A rule that needs the
     attention probabilities sets ``observes``; per-slot state it keeps is declared in ``state``
     and moves with its slot. ``evict`` may do more than drop (``merge`` folds a victim first).
+    A rule that scores a prompt by a second reading of it sets ``rereads``: the decode core reads
+    the prompt twice first and hands it the scores (``given``).
     """
 
     name: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
     observes: ClassVar[bool] = False
+    rereads: ClassVar[bool] = False
     state: ClassVar[dict[str, StateSpec]] = {}
 
     def __init__(self, **params: Any) -> None:
@@ -144,6 +147,12 @@ class Rule(ABC):
     @abstractmethod
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
         """Keep-scores of the first ``at.length`` slots ``(b, h, L)``; ``inf`` means never evict."""
+
+    def given(self, slots: Slots, table: torch.Tensor | None, lengths: torch.Tensor | None) -> None:
+        """A ``rereads`` rule's prompt scores ``(b, h, T)`` by position, for each row's first
+        ``lengths`` ``(b, 1, 1)`` positions (the prompt's), before the prompt is fed into ``slots``;
+        None once it is all in."""
+        return None
 
     def logit_bias(self, slots: Slots, length: int) -> torch.Tensor | None:
         """An additive attention-logit bias per slot ``(b, h, L)``, or None."""

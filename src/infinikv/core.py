@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +26,8 @@ from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy
+from .rereading import reread
+from .sampling import Sampling, next_tokens
 from .sizes import model_device
 
 
@@ -83,13 +84,25 @@ class Batch:
             raise InfinikvError("the prompt is empty")
         ids, real = left_pad(prompts, pad_id)
         self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        self.cache.expect([len(p) for p in prompts])
+        self.expect(prompts)
         chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
         outputs = []
         for start in range(0, ids.shape[1], chunk):
             piece, mask = ids[:, start : start + chunk], real[:, start : start + chunk]
             outputs.append(self.feed(piece.to(self.device), mask, keep_all=keep_all))
+        self.prompt_read()
         return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
+
+    def expect(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Before a prompt's first chunk (a caller feeding it itself calls this, then ``prompt_read``
+        after its last): its length, and where a rule asks, its second reading (``rereading``)."""
+        self.cache.expect([len(p) for p in prompts])
+        if self.cache.rereading():
+            reread(self, prompts)
+
+    def prompt_read(self) -> None:
+        """The prompt is in the cache: its second reading's scores are no longer needed."""
+        self.cache.give_prompt_scores(None, None)
 
     @torch.inference_mode()
     def extend(self, ids: torch.Tensor, keep_all: bool = False, chunk: int | None = None) -> torch.Tensor:
@@ -97,12 +110,13 @@ class Batch:
         ``chunk`` per forward as in ``prefill``. Returns the last position's logits (b, V), or every
         position's (b, n, V) with ``keep_all``."""
         if self.rows == 0:  # a prompt: a budget fraction is of all of it, however it is cut
-            self.cache.expect([ids.shape[1]] * ids.shape[0])
+            self.expect(ids.tolist())
         chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
         outputs = [
             self.feed(ids[:, start : start + chunk].to(self.device), keep_all=keep_all)
             for start in range(0, ids.shape[1], chunk)
         ]
+        self.prompt_read()
         return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
 
     @torch.inference_mode()
@@ -214,39 +228,6 @@ def step_together(batches: list[Batch], tokens: list[torch.Tensor]) -> list[torc
             batch.cache.end()
     logits = out.logits[:, -1]
     return [logits[rows] for rows in row_slices([b.rows for b in batches])]
-
-
-@dataclass
-class Sampling:
-    """How the next token is picked. ``temperature == 0`` is greedy."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InfinikvError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InfinikvError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InfinikvError(f"--top-p must be in (0, 1], got {self.top_p}")
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
-
-
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (b, V) -> (b,)."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    probs = (logits.float() / sampling.temperature).softmax(-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p  # keeps the top token always
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 STOP_CHECK_EVERY = 8  # steps between two reads of "has every row stopped?" when nothing streams

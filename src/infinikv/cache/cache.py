@@ -35,6 +35,16 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.expect(tokens)
 
+    def rereading(self) -> list[int]:
+        """The layers whose rule scores a prompt by a second reading of it (``Rule.rereads``)."""
+        return [i for i, layer in enumerate(self.layers) if layer.evictor and layer.evictor.rule.rereads]
+
+    def give_prompt_scores(self, tables: dict[int, torch.Tensor] | None, lengths: torch.Tensor | None) -> None:
+        """Hand each rereading layer its prompt scores ``(b, h, T)`` (None: the prompt is read)."""
+        for i in self.rereading():
+            layer = self.layers[i]
+            layer.evictor.rule.given(layer.slots, None if tables is None else tables[i], lengths)
+
     def begin(self, q: int, positions: torch.Tensor, new_real: torch.Tensor | None, real: list[int]) -> None:
         """Plan the next forward of every layer (see ``KVLayer.begin``)."""
         for layer in self.layers:

@@ -141,3 +141,27 @@ def weighted(
         out = torch.matmul(probs.to(value.dtype).view(b, h, g * c, seen), value[:, :, :seen])
         outputs.append(out.view(b, h, g, c, d))
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last
+
+
+def peak_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, upto: int) -> torch.Tensor:
+    """The most attention any query pays each of the first ``upto`` keys, under a causal mask.
+
+    ``query`` (b, H, q, d) are the newest q of the L positions of ``key`` (b, h, L, d) (a prefill
+    chunk over every token so far). Returns (b, h, upto) float32: the maximum of the softmax
+    probabilities over the q queries and each KV head's g query heads, 0 where no query sees a key.
+    Queries run in blocks, so the (q, L) weights never exist all at once."""
+    qg = grouped(query, key.shape[1])
+    b, h, g, q, d = qg.shape
+    length = key.shape[2]
+    peak = torch.zeros(b, h, upto, dtype=torch.float32, device=key.device)
+    for start in range(0, q, QUERY_CHUNK):
+        block = qg[:, :, :, start : start + QUERY_CHUNK]
+        c = block.shape[3]
+        first = length - q + start  # the block's first query's position
+        seen = first + c  # keys its last query may see
+        logits = torch.matmul((block * scaling).reshape(b, h, g * c, d), key[:, :, :seen].transpose(-1, -2))
+        later = torch.ones(c, seen, dtype=torch.bool, device=key.device).triu(first + 1)
+        probs = logits.view(b, h, g, c, seen).masked_fill_(later, float("-inf")).softmax(-1, dtype=torch.float32)
+        kept = min(upto, seen)
+        peak[:, :, :kept] = torch.maximum(peak[:, :, :kept], probs[..., :kept].amax((2, 3)))
+    return peak

@@ -20,6 +20,7 @@ from .bct import BoundedCache
 from .full import Full
 from .h2o import HeavyHitters
 from .infinigen import InfiniGen
+from .kvzip import KVzip
 from .offload import Offload
 from .quant import Quant
 from .recall import Recall
@@ -28,7 +29,7 @@ from .sink import Sink
 from .snapkv import SnapKV
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, Offload, Quant, Sink, HeavyHitters, SnapKV, BoundedCache, InfiniGen, Recall)
+    cls.name: cls for cls in (Full, Offload, Quant, Sink, HeavyHitters, SnapKV, KVzip, BoundedCache, InfiniGen, Recall)
 }
 
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..contract import Option, Rule, Scoring
+from ..errors import InfinikvError
 from ..kv.layout import expand_to
 from ..kv.slots import Slots, StateSpec
 
@@ -143,7 +144,65 @@ class Question(Rule):
         return torch.where(recent, math.inf, slots.state["score"][:, :, : at.length])
 
 
-RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge, Question)}
+class Reread(Rule):
+    """KVzip's (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction", 2025): a prompt token scores the most attention any query pays it while the
+    model reads the prompt a second time, right after the first (the second copy is predicted by
+    copying from the first, so what it needs is what reconstructing the context needs; read with
+    no later question in sight, the score serves any question). The decode core runs that reading
+    (``rereading``). Tokens after the prompt (answers, a conversation's next questions) are kept
+    while among the newest ``recent_tokens``, the prompt giving way to them lowest score first;
+    older ones go before any prompt token, oldest first: what was read stays, as in a
+    conversation about one document."""
+
+    name = "kvzip"
+    options = (
+        Option(
+            "recent_tokens",
+            int,
+            32,
+            "kvzip: the newest tokens after the prompt always kept (older ones go first), >= 0",
+            lambda n: n >= 0,
+        ),
+    )
+    rereads = True
+    state = {"score": StateSpec(torch.float32, initial=-math.inf)}  # a token after the prompt: unscored
+
+    def __init__(self, **params: object) -> None:
+        super().__init__(**params)
+        self.table: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.read = False  # a prompt's scores were given
+
+    def given(self, slots: Slots, table: torch.Tensor | None, lengths: torch.Tensor | None) -> None:
+        if table is None and self.table is not None and slots.ready:  # the whole prompt is in
+            self.mark(slots, slots.n)
+        self.table, self.lengths = table, lengths
+        self.read = self.read or table is not None
+
+    def mark(self, slots: Slots, length: int) -> None:
+        """The prompt's tokens among the first ``length`` slots take their reading's score."""
+        score = slots.state["score"][:, :, :length]
+        position = slots.state["position"][:, :, :length].long()
+        read = self.table.gather(2, position.clamp(max=self.table.shape[-1] - 1))
+        score.copy_(torch.where(position < self.lengths, read, score))
+
+    def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
+        if not self.read:
+            raise InfinikvError(
+                "kvzip scores a prompt by reading it twice, which infinikv's decode core does: "
+                "give it a prompt through infinikv (Batch.prefill, generate, eval, serve), not a bare forward"
+            )
+        if self.table is not None:  # a chunk of the prompt: its tokens take their reading's score, in [0, 1]
+            self.mark(slots, at.length)
+        score = slots.state["score"][:, :, : at.length]
+        position = slots.state["position"][:, :, : at.length].long()
+        later = score == -math.inf  # after the prompt: the newest kept, older ones below any prompt token
+        recent = position > at.newest - self.params["recent_tokens"]
+        return torch.where(later, torch.where(recent, math.inf, -1 / (position + 1.0)), score)
+
+
+RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge, Question, Reread)}
 
 
 def rule_options() -> dict[str, Option]:

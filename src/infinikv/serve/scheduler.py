@@ -159,7 +159,7 @@ class Scheduler:
                 length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
                 compile = resolve(self.compile, self.model, seq.policy, 1, length) and seq.policy.compilable
                 seq.batch = Batch(self.model, seq.policy, compile, max_length=length)
-                seq.batch.cache.expect([len(seq.prompt_ids)])  # a --budget fraction is of the whole prompt
+                seq.batch.expect([seq.prompt_ids])  # a --budget fraction is of the whole prompt
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
         end = seq.prefilled + self.chunk_size()
@@ -170,6 +170,7 @@ class Scheduler:
         seq.prefilled = min(end, len(seq.prompt_ids))
         if seq.prefilled < len(seq.prompt_ids):
             return
+        seq.batch.prompt_read()
         self._advance(seq, int(pick(logits, [seq])[0]))
         if seq.finish_reason is None:  # it joins the running sequences (else _retire reports it)
             self.prefilling.remove(seq)
