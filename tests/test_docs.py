@@ -110,13 +110,13 @@ def test_any_rows_lay_out_by_pivot_or_columns(tmp_path):
     pages.keep(rows, tmp_path / "docs" / "results" / "r.json", "infinikv eval ruler")
     page = tmp_path / "docs" / "r.md"
     page.write_text(
-        "<!-- results: r.json pivot down=run across=task value=accuracy format=.0% where=length:2048 -->\n"
+        "<!-- results: r.json pivot down=run across=task value=accuracy format=.0% where=length:2048|1024 -->\n"
         "<!-- /results -->\n<!-- results: r.json columns fields=run;length:,;attended:.1% -->\n<!-- /results -->\n"
     )
     (tmp_path / "README.md").write_text("")
     pages.refresh(tmp_path)
     text = page.read_text()
-    assert "| run | multikey_1 | single_1 |" in text
+    assert "| policy | multikey_1 | single_1 |" in text
     assert "| full | 80% | 100% |" in text and "| infinigen | 40% | - |" in text  # no single_1 row: a dash
     assert "| infinigen | 2,048 | 10.0% |" in text and "| full | 4,096 | 100.0% |" in text
     page.write_text("<!-- results: r.json pivot down=run -->\n<!-- /results -->\n")

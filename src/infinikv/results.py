@@ -31,8 +31,9 @@ def row_label(row: dict) -> str:
 
 
 def run_label(row: dict) -> str:
-    """``row_label`` with how the row ran: its weights format (unless fp32) and ``(compiled)``."""
-    weights = f" [{row['weights']}]" if row.get("weights", "fp32") != "fp32" else ""
+    """``row_label`` with how the row ran: its weights format (unless fp32, or the default ``auto``
+    of rows that did not resolve it) and ``(compiled)``."""
+    weights = f" [{row['weights']}]" if row.get("weights", "fp32") not in ("fp32", "auto") else ""
     return row_label(row) + weights + (" (compiled)" if row.get("compiled") else "")
 
 

@@ -25,6 +25,7 @@ from ..results import run_label
 
 MARKED = re.compile(r"(<!-- results: (\S+\.json) (\w+)((?: \S+=\S+)*) -->\n).*?(<!-- /results -->)", re.DOTALL)
 RUN = "run"  # a field name standing for ``run_label``: the policy, its budget, weights and compilation
+MIB = "MiB"  # a format: bytes shown in MiB
 
 
 def field(row: dict, name: str) -> object:
@@ -33,20 +34,27 @@ def field(row: dict, name: str) -> object:
 
 
 def selected(rows: list[dict], where: str | None) -> list[dict]:
-    """The rows matching ``where`` (``FIELD:VALUE[,FIELD:VALUE...]``, compared as text), or all."""
+    """The rows matching ``where`` (``FIELD:VALUE[|VALUE...][,FIELD:...]``, compared as text), or all."""
     for condition in where.split(",") if where else []:
-        name, _, value = condition.partition(":")
-        rows = [r for r in rows if str(field(r, name)) == value]
+        name, _, values = condition.partition(":")
+        rows = [r for r in rows if str(field(r, name)) in values.split("|")]
     return rows
 
 
 def cell(value: object, spec: str) -> str:
-    """A value as a table shows it: ``-`` when missing, numbers with ``spec``."""
+    """A value as a table shows it: ``-`` when missing, numbers with ``spec`` (Python's, or ``MiB``)."""
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
+    if spec == MIB:
+        return f"{value / 2**20:,.1f}"
     return format(value, spec)
+
+
+def heading(name: str) -> str:
+    """A field's column heading: ``run`` is the policy as it ran."""
+    return "policy" if name == RUN else name.replace("_", " ")
 
 
 def pivot_table(
@@ -55,10 +63,10 @@ def pivot_table(
     """``value`` of each (``down``, ``across``) pair: one line per ``down``, one column per ``across``,
     both in the rows' order (a pair measured twice shows its last row)."""
     rows = selected(rows, where)
-    columns = list(dict.fromkeys(str(field(r, across)) for r in rows))
+    columns = list(dict.fromkeys(cell(field(r, across), ",") for r in rows))
     lines_of = list(dict.fromkeys(field(r, down) for r in rows))
-    cells = {(field(r, down), str(field(r, across))): cell(field(r, value), format) for r in rows}
-    header = ["| " + down.replace("_", " ") + " | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    cells = {(field(r, down), cell(field(r, across), ",")): cell(field(r, value), format) for r in rows}
+    header = ["| " + heading(down) + " | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     return header + [
         f"| {cell(d, ',')} | " + " | ".join(cells.get((d, c), "-") for c in columns) + " |" for d in lines_of
     ]
@@ -68,7 +76,7 @@ def columns_table(rows: list[dict], fields: str, where: str | None = None) -> li
     """One line per row, one column per field of ``fields`` (``NAME[:FORMAT];...``; Python's format
     spec, ``,.1f`` if not given: ``,`` for a count, ``.1%`` for a share)."""
     specs = [(name, spec or ",.1f") for name, _, spec in (f.partition(":") for f in fields.split(";"))]
-    lines = ["| " + " | ".join(name.replace("_", " ") for name, _ in specs) + " |", "|---" * len(specs) + "|"]
+    lines = ["| " + " | ".join(heading(name) for name, _ in specs) + " |", "|---" * len(specs) + "|"]
     for r in selected(rows, where):
         lines.append("| " + " | ".join(cell(field(r, name), spec) for name, spec in specs) + " |")
     return lines
@@ -143,9 +151,16 @@ def commit() -> str:
     return head.stdout.strip() + ("" if clean else "-dirty")
 
 
-def keep(rows: list[dict], path: Path, command: str) -> None:
-    """Save ``rows`` for the pages, with how they were measured (the command, commit, machine, date)."""
-    record = {"command": command, "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+def keep(rows: list[dict], path: Path, command: str, measured_at: str | None = None) -> None:
+    """Save ``rows`` for the pages, with how they were measured (the command, commit, machine, date),
+    without each sample's output. ``measured_at``: the commit that ran (default: the checkout's)."""
+    record = {
+        "command": command,
+        "commit": measured_at or commit(),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    rows = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]  # each sample's text stays in the run's file
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
 

@@ -206,5 +206,7 @@ def policy_cells(
 
 
 def load(args: argparse.Namespace, device: str = "cpu"):
-    """``(model, tokenizer)`` of ``--model`` stored as ``--weights``."""
+    """``(model, tokenizer)`` of ``--model`` stored as ``--weights``; ``auto`` is resolved in
+    ``args``, so result rows and cells name the format that ran."""
+    args.weights = models.resolve_weights(args.model, args.weights, device)
     return models.load_model(args.model, device=device, weights=args.weights)

@@ -138,7 +138,7 @@ def refresh_docs(args: argparse.Namespace) -> int:
     if args.keep:
         if not args.name or not args.command:
             raise InfinikvError("--keep needs --as NAME (the results file) and --command (how the rows were measured)")
-        pages.keep(read_rows(Path(args.keep)), root / "docs" / "results" / f"{args.name}.json", args.command)
+        pages.keep(read_rows(Path(args.keep)), root / "docs" / "results" / f"{args.name}.json", args.command, args.at)
     for page in pages.refresh(root):
         print(f"rewrote {page}")
     return 0
@@ -160,6 +160,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", metavar="ROWS", help="with --docs: first save these result rows as docs/results/NAME.json")
     p.add_argument("--as", dest="name", metavar="NAME", help="with --keep: the results file's name")
     p.add_argument("--command", help="with --keep: the command that measured the rows")
+    p.add_argument(
+        "--at", metavar="COMMIT", help="with --keep: the commit that measured them (default: the checkout's)"
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plan", help="project decode tokens/s of offloading policies on a GPU (a cost model)")

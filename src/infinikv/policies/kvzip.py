@@ -27,4 +27,5 @@ class KVzip(Evicting):
         if self.params["prefill_chunk"] or prompt_tokens is None:
             return self.params["prefill_chunk"]
         return max(1, prompt_tokens)
+
     cost = Cost("kvzip", stores=lambda keep, dense: keep, reads=lambda keep, dense: keep, share=("keep", 0.2))
