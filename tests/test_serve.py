@@ -527,3 +527,36 @@ def test_a_chat_continues_its_cache_over_http(client, server):
     assert after["infinikv_reuse_tokens_saved_total"] - before["infinikv_reuse_tokens_saved_total"] == (
         second.usage.prompt_tokens_details.cached_tokens
     )
+
+
+def test_each_api_key_continues_only_its_own_conversations(tiny_folder, tmp_path):
+    """Two keys from --api-keys: a prompt that extends one key's finished request continues its
+    cache for that key (cached_tokens) and for the other key is prefilled fresh, so neither the
+    usage nor the time to first token tells one user what another sent."""
+    keys = tmp_path / "keys"
+    keys.write_text("# key name\nalice-key alice\nbob-key\n")
+    with running_server(str(tiny_folder), ["--kv-memory", "16MiB", "--api-keys", str(keys)]) as (base, _):
+        alice, bob = (
+            openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+            for key in ("alice-key", "bob-key")
+        )
+        ask = {"model": str(tiny_folder), "max_tokens": 6, "temperature": 0}
+        first = alice.completions.create(prompt="one two three four five six seven", **ask)
+        following = "one two three four five six seven" + first.choices[0].text + " eight nine"
+        assert bob.completions.create(prompt=following, **ask).usage.prompt_tokens_details.cached_tokens == 0
+        continued = alice.completions.create(prompt=following, **ask)
+        assert continued.usage.prompt_tokens_details.cached_tokens > 0  # alice's own cache, still there
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("", "holds no key"), ("k1 same\nk2 same\n", "line 2: a key or name given twice"), ("k\nk\n", "line 2")],
+)
+def test_a_bad_api_keys_file_is_a_one_line_error(tmp_path, capsys, text, says):
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    assert main(["serve", "--model", "smollm2-135m", "--api-keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .. import models
 from ..cluster import LOCAL
@@ -28,6 +29,30 @@ def check(args: argparse.Namespace) -> list[dict]:
     return prepare
 
 
+def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--api-key`` or ``--api-keys FILE`` as key -> owner (the line's name, else ``key N``), or None."""
+    if args.api_key is not None:
+        return {args.api_key: "default"}
+    if args.api_keys is None:
+        return None
+    try:
+        lines = Path(args.api_keys).read_text().splitlines()
+    except OSError as exc:
+        raise InfinikvError(f"--api-keys {args.api_keys}: {exc.strerror}") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        key, name = words[0], " ".join(words[1:]) or f"key {number}"
+        if key in keys or name in keys.values():
+            raise InfinikvError(f"--api-keys {args.api_keys}, line {number}: a key or name given twice")
+        keys[key] = name
+    if not keys:
+        raise InfinikvError(f"--api-keys {args.api_keys} holds no key")
+    return keys
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import socket
 
@@ -45,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             probe.bind((args.host, args.port))
         except OSError as exc:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_key": args.api_key}
+    options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_keys": api_keys(args)}
     options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile, "prepare": prepare}
     options |= {"keep_conversations": args.keep_conversations}
     if args.ray is not None:
@@ -254,7 +279,14 @@ def add(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> N
     add_serve_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer API_KEY on every call")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="require Authorization: Bearer API_KEY on every call")
+    keys.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="one key per line, optionally followed by a name; each key's conversations and cached "
+        "prefixes are its own",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = bench.add_parser("serve", help="start a server and measure N concurrent streaming clients on loopback")

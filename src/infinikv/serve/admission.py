@@ -33,7 +33,7 @@ class Admission:
             seq.reserved = seq.policy.worst_case_bytes(self.config, len(seq.prompt_ids), seq.sampling.max_new_tokens)
         except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
             raise ServeError(400, f"kv: {exc}", param="kv") from None
-        seq.key = conversation_key(seq.policy, seq.sampling)
+        seq.key = conversation_key(seq.policy, seq.sampling, seq.owner)
         if seq.reserved > self.kv_memory:
             raise ServeError(
                 400,

@@ -50,7 +50,7 @@ def create_app(
     default_kv: dict[str, Any],
     kv_memory: int,
     max_queue: int,
-    api_key: str | None = None,
+    api_keys: dict[str, str] | None = None,
     prefill_chunk: int = 512,
     compile: bool | str = "auto",
     peers: Peers | None = None,
@@ -62,7 +62,8 @@ def create_app(
     the specs in ``prepare`` are built and prepared here, before the port opens (``say`` tells
     the progress); a bad one, or a ``kv_memory`` that cannot hold one default request, raises
     ``InfinikvError``. With ``peers`` the app is one replica of several and its /metrics labels
-    each replica's numbers."""
+    each replica's numbers. ``api_keys`` (key -> owner): every call but /health needs one, and a
+    request continues or reuses only caches its owner made (``conversations``)."""
     catalog = PolicyCatalog(model, tokenizer)
     default = catalog.prepare(default_kv, say)
     for spec in prepare:
@@ -92,12 +93,14 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        request.state.owner = ""
+        if api_keys and request.url.path != "/health":
+            owner = key_owner(api_keys, request.headers.get("authorization", ""))
+            if owner is None:
                 return error_response(
                     401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
                 )
+            request.state.owner = owner
         return await call_next(request)
 
     @app.exception_handler(ServeError)
@@ -172,7 +175,7 @@ def create_app(
             if not loop.is_closed():
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        seq = Sequence(ids, policy, sampling, stops, emit, ignore_eos=body.ignore_eos)
+        seq = Sequence(ids, policy, sampling, stops, emit, ignore_eos=body.ignore_eos, owner=request.state.owner)
         scheduler: Scheduler = state["scheduler"]
         scheduler.submit(seq)  # 400 or 429 before anything is sent
         reply = Reply(seq, model_name, chat)
@@ -198,3 +201,14 @@ def create_app(
             scheduler.cancel(seq)
 
     return app
+
+
+def key_owner(api_keys: dict[str, str], authorization: str) -> str | None:
+    """Who an ``Authorization`` header speaks for: the owner of its key (``api_keys``: key -> owner),
+    or None. Every key is compared, in constant time, so the time taken tells nothing of which
+    key came close."""
+    owner = None
+    for key, name in api_keys.items():
+        if secrets.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
+            owner = name
+    return owner

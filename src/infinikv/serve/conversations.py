@@ -6,7 +6,8 @@ For ``full`` this is prefix reuse: the same K/V as the whole conversation prefil
 bounded cache it is the cache the conversation built as it went, which is what constant memory
 means: a fresh prefill of the whole conversation would evict differently (it sees every turn at
 once, and a ``--budget`` fraction is of that prompt). Matching is by tokens and by a key of the
-policy spec and the sampling, so requests that differ in either never share a cache. The idle
+owner (the API key that sent it), the policy spec and the sampling, so requests that differ in
+any never share a cache. The idle
 caches count against the server's K/V budget and are dropped least recently used when admission
 needs their room, or past ``keep`` of them (0: nothing is kept).
 """
@@ -24,9 +25,10 @@ from ..core import Batch, Sampling
 from ..policies import Policy
 
 
-def conversation_key(policy: Policy, sampling: Sampling) -> str:
-    """What two requests must share to share a cache: the policy spec and the sampling."""
-    return json.dumps([policy.spec(), sampling.temperature, sampling.top_p, sampling.seed], sort_keys=True)
+def conversation_key(policy: Policy, sampling: Sampling, owner: str) -> str:
+    """What two requests must share to share a cache: the owner (one API key's requests never
+    continue, nor time, another's cache), the policy spec and the sampling."""
+    return json.dumps([owner, policy.spec(), sampling.temperature, sampling.top_p, sampling.seed], sort_keys=True)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Sequence:
     detokenizer: Detokenizer | None = None
     kv_bytes: int = 0  # peak K/V bytes its cache held
     fetched_fraction: float | None = None  # for two-tier policies
+    owner: str = ""  # who sent it (its API key's owner): caches are never shared across owners
     key: str = ""  # requests with equal keys may continue each other's caches (``conversation_key``)
     fed: int = 0  # generated tokens its cache has seen (the last one picked is not fed)
     resumed: Conversation | None = None  # the idle conversation it continues, until its prefill starts
