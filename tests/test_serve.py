@@ -126,6 +126,7 @@ def test_metrics(client, server):
     assert after["infinikv_tokens_generated_total"] == before["infinikv_tokens_generated_total"] + 3
     assert after["infinikv_kv_bytes_budget"] == KV_MEMORY and after["infinikv_kv_bytes_in_use"] == 0
     assert after["infinikv_tokens_per_second"] > 0 and after["infinikv_queue_length"] == 0
+    assert 300 * 2**20 < after["infinikv_resident_bytes"] <= after["infinikv_resident_bytes_peak"]  # the model alone
     sparse = client.completions.create(
         model=MODEL,
         prompt="Hello there, " * 20,

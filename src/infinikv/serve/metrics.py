@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from .. import memory
 from .scheduler import Scheduler
 
 
@@ -27,7 +28,8 @@ PUBLISH_SECONDS = 1.0
 
 def snapshot(scheduler: Scheduler) -> dict[str, Any]:
     """What a replica publishes for /metrics: requests, tokens, K/V held and reserved, the queue,
-    batching, fetches and kept conversations."""
+    batching, fetches, kept conversations and the process's resident memory (what ``--kv-memory``
+    does not count: weights, temporaries, the allocator's growth)."""
     now = time.monotonic()
     with scheduler.cond:
         recent = [(t, n) for t, n in scheduler.recent if now - t <= 10]
@@ -48,6 +50,8 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             "reuse_hits": scheduler.admission.conversations.hits,
             "reuse_tokens_saved": scheduler.admission.conversations.tokens_saved,
             "conversations_dropped": scheduler.admission.conversations.dropped,
+            "resident_bytes": memory.rss(),
+            "resident_bytes_peak": memory.peak(),
         }
 
 
@@ -90,6 +94,8 @@ def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
         ("reuse_hits_total", "counter", "Requests that continued a kept conversation.", "reuse_hits"),
         ("reuse_tokens_saved_total", "counter", "Prompt tokens not prefilled, continued.", "reuse_tokens_saved"),
         ("conversations_dropped_total", "counter", "Idle conversations dropped (LRU).", "conversations_dropped"),
+        ("resident_bytes", "gauge", "The process's resident memory: weights, caches and the rest.", "resident_bytes"),
+        ("resident_bytes_peak", "gauge", "The most the process has held resident.", "resident_bytes_peak"),
     ]
     for name, kind, help_text, key in metrics:
         lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]
