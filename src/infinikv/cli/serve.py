@@ -30,27 +30,12 @@ def check(args: argparse.Namespace) -> list[dict]:
 
 
 def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
-    """``--api-key`` or ``--api-keys FILE`` as key -> owner (the line's name, else ``key N``), or None."""
+    """``--api-key`` or ``--api-keys FILE`` as key -> owner, or None."""
+    from ..serve.keys import read_keys
+
     if args.api_key is not None:
         return {args.api_key: "default"}
-    if args.api_keys is None:
-        return None
-    try:
-        lines = Path(args.api_keys).read_text().splitlines()
-    except OSError as exc:
-        raise InfinikvError(f"--api-keys {args.api_keys}: {exc.strerror}") from None
-    keys: dict[str, str] = {}
-    for number, line in enumerate(lines, 1):
-        words = line.split()
-        if not words or words[0].startswith("#"):
-            continue
-        key, name = words[0], " ".join(words[1:]) or f"key {number}"
-        if key in keys or name in keys.values():
-            raise InfinikvError(f"--api-keys {args.api_keys}, line {number}: a key or name given twice")
-        keys[key] = name
-    if not keys:
-        raise InfinikvError(f"--api-keys {args.api_keys} holds no key")
-    return keys
+    return None if args.api_keys is None else read_keys(Path(args.api_keys))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ scheduler's events back into JSON or server-sent events.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +25,7 @@ from starlette.exceptions import HTTPException
 from ..core import Sampling
 from ..errors import InfinikvError
 from .catalog import PolicyCatalog
+from .keys import key_owner
 from .metrics import Peers, prometheus, publish, snapshot
 from .replies import Reply, error_response, stream
 from .scheduler import Scheduler
@@ -201,14 +201,3 @@ def create_app(
             scheduler.cancel(seq)
 
     return app
-
-
-def key_owner(api_keys: dict[str, str], authorization: str) -> str | None:
-    """Who an ``Authorization`` header speaks for: the owner of its key (``api_keys``: key -> owner),
-    or None. Every key is compared, in constant time, so the time taken tells nothing of which
-    key came close."""
-    owner = None
-    for key, name in api_keys.items():
-        if secrets.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
-            owner = name
-    return owner
