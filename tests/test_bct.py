@@ -26,7 +26,7 @@ def test_storage_is_allocated_once_for_2000_steps(tiny, rule):
     batch = Batch(tiny, make_policy("bct", capacity=capacity, update_rule=rule))
     cache = batch.cache
     ids = torch.randint(0, 128, (2, 2000 + 100))
-    batch.feed(ids[:, :100])  # a prefill larger than the capacity
+    batch.extend(ids[:, :100])  # a prompt larger than the capacity
     pointers = [(layer.slots.keys.data_ptr(), layer.slots.values.data_ptr()) for layer in cache.layers]
     held, allocated = cache.held_bytes(), cache.allocated_bytes()
     per_token = 2 * 2 * 2 * 16 * 4  # batch x (K and V) x KV heads x head_dim x fp32
@@ -243,7 +243,7 @@ def test_rank_positions_keep_the_kept_keys_at_their_ranks(tiny, rule):
     one shift per row, which RoPE cannot see): position + after - rank is the same for all."""
     batch = Batch(tiny, make_policy("bct", capacity=24, update_rule=rule, positions="rank"))
     ids = torch.randint(0, 128, (2, 140))
-    batch.feed(ids[:, :60])
+    batch.extend(ids[:, :60])
     for step in range(60, 140):
         batch.step(ids[:, step])
     for layer in batch.cache.layers:
