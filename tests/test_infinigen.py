@@ -387,16 +387,16 @@ def test_a_calibration_records_its_options_and_is_redone_for_others(tiny_folder,
     default = make_policy("infinigen")
     assert "calibrated" in ensure_prepared(default, model, tokenizer, Preparing(tokens=64))
     path = folder / "infinikv-infinigen.json"
-    fit = {"partial_ratio": 0.3, "max_fetch": 0.1, "keep_first": 4, "keep_recent": 32}
+    fit = {"partial_ratio": 0.5, "max_fetch": 0.1, "keep_first": 4, "keep_recent": 32}
     assert json.loads(path.read_text())["fit"] == fit
     assert ensure_prepared(make_policy("infinigen"), model, tokenizer) is None  # the same options: loaded
-    other = make_policy("infinigen", select="mass", partial_ratio=0.5)
+    other = make_policy("infinigen", select="mass", partial_ratio=0.3)
     assert "calibrated" in ensure_prepared(other, model, tokenizer, Preparing(tokens=64))
-    assert other.prep["fit"] == {**fit, "partial_ratio": 0.5}
-    assert json.loads((folder / "infinikv-infinigen-r0.5-f0.1-4-32.json").read_text())["fit"] == other.prep["fit"]
+    assert other.prep["fit"] == {**fit, "partial_ratio": 0.3}
+    assert json.loads((folder / "infinikv-infinigen-r0.3-f0.1-4-32.json").read_text())["fit"] == other.prep["fit"]
     assert json.loads(path.read_text())["fit"] == fit  # the default's is untouched
     # a rule that reads no curves takes any calibration: the default's
-    assert ensure_prepared(make_policy("infinigen", partial_ratio=0.5), model, tokenizer) is None
+    assert ensure_prepared(make_policy("infinigen", partial_ratio=0.3), model, tokenizer) is None
     edited = json.loads(path.read_text())
     edited["fit"]["max_fetch"] = 0.5  # a record that does not match the options asked for
     path.write_text(json.dumps(edited))

@@ -66,7 +66,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     asked = split_policies(args.policy) if args.policy else []
     if len(asked) > 1:
-        raise InfinikvError("--policy takes one policy, e.g. infinigen or 'infinigen[partial_ratio=0.5]'")
+        raise InfinikvError("--policy takes one policy, e.g. infinigen or 'infinigen[partial_ratio=0.3]'")
     if args.compile:
         return prepare_compiled(args, asked)
     cells = asked or [(n, {}) for n, cls in sorted(REGISTRY.items()) if cls.needs_preparation]
@@ -116,7 +116,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> None:
     p.add_argument(
         "--policy",
         default=None,
-        help="prepare this policy only, with its options as in --policies, e.g. 'infinigen[partial_ratio=0.5]' "
+        help="prepare this policy only, with its options as in --policies, e.g. 'infinigen[partial_ratio=0.3]' "
         "(default: every policy that needs it, with its defaults)",
     )
     p.add_argument("--calibration", default=None, help="calibration text (not an evaluation text; default per policy)")
