@@ -61,6 +61,20 @@ def test_a_grid_appends_one_row_per_cell_and_resumes(capsys, tmp_path, tiny_fold
     assert len(cells) == 12
 
 
+def test_limit_minutes_keeps_the_rows_so_far_and_resumes(capsys, tmp_path, tiny_folder):
+    """Once the limit is spent no new cell starts: the rows that landed are kept and printed, and
+    the same command without the limit runs only the rest."""
+    out = tmp_path / "ruler.jsonl"
+    argv = ["--model", str(tiny_folder), "--lengths", "400", "--samples", "2", "--tasks", "niah_single_1"]
+    argv += ["--policies", "full,sink", "--budgets", "0.5,0.25", "--out", str(out), "--quiet"]
+    code, table, err = ruler_cli(capsys, *argv, "--limit-minutes", "0.00001")  # spent by the first cell
+    assert code == 0 and len(rows_of(out)) == 1 and "2 cells not run" in err
+    assert [line.split()[0] for line in table.split("\n\n")[0].splitlines()[1:]] == ["full"]
+    code, _, err = ruler_cli(capsys, *argv)
+    assert code == 0 and "1 of 3 cells already" in err and len(rows_of(out)) == 3
+    assert ruler_cli(capsys, *argv, "--limit-minutes", "0")[0] == 2
+
+
 def rows_of_valid(path):
     return list(finished(path).values())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,10 +241,16 @@ class LocalPool:
 
 
 def run_grid(
-    cells: Iterable[Cell], out: Path, pool: Callable[[], Pool], describe: Callable[[dict], str], progress: bool = True
+    cells: Iterable[Cell],
+    out: Path,
+    pool: Callable[[], Pool],
+    describe: Callable[[dict], str],
+    progress: bool = True,
+    minutes: float | None = None,
 ) -> list[dict]:
     """Every cell's row in the cells' order: those ``out`` already holds, then the others run by
-    ``pool()`` (only made when there is work), each appended to ``out`` the moment it lands."""
+    ``pool()`` (only made when there is work), each appended to ``out`` the moment it lands. After
+    ``minutes`` no new cell starts: the rows so far are returned and a second run resumes."""
     cells = list(cells)
     done = finished(out)
     todo = [c for c in cells if c.key not in done]
@@ -252,6 +259,7 @@ def run_grid(
         file=sys.stderr,
     )
     rows: dict[str, dict] = {}
+    deadline = None if minutes is None else time.monotonic() + 60 * minutes
     if todo:
         with tqdm(total=len(todo), unit="cell", desc="cells", disable=not progress, position=0) as bar:
             for cell, row in pool().run(todo):
@@ -259,4 +267,11 @@ def run_grid(
                 rows[cell.key] = row
                 bar.write(f"  done: {describe(row)}", file=sys.stderr)
                 bar.update()
-    return [rows.get(c.key) or done[c.key] for c in cells]
+                if deadline is not None and time.monotonic() > deadline and len(rows) < len(todo):
+                    left = len(todo) - len(rows)
+                    bar.write(
+                        f"--limit-minutes {minutes:g} spent: {left} cells not run; give --out {out} again for them",
+                        file=sys.stderr,
+                    )
+                    break
+    return [row for c in cells if (row := rows.get(c.key) or done.get(c.key))]

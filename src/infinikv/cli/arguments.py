@@ -99,8 +99,29 @@ def add_run_arguments(parser: argparse.ArgumentParser, json_help: str, results: 
     add_model_argument(parser)
     parser.add_argument("--json", action="store_true", help=json_help)
     if results:
-        parser.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+        add_results_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_results_arguments(parser: argparse.ArgumentParser) -> None:
+    """The results file a grid appends to, and the time after which it starts no new cell."""
+    parser.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    parser.add_argument(
+        "--limit-minutes",
+        type=minutes,
+        help="start no new cell after this many minutes; the rows so far are kept and --out resumes the rest",
+    )
+
+
+def minutes(text: str) -> float:
+    """A positive number of minutes (argparse's type: a bad one is a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text!r}")
+    return value
 
 
 def add_ray_flag(parser: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:

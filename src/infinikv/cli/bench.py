@@ -14,7 +14,13 @@ from ..errors import InfinikvError
 from ..policies import parse_spec
 from ..results import run_label
 from ..weights import check_format
-from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_arguments
+from .arguments import (
+    add_compile_argument,
+    add_model_argument,
+    add_policy_arguments,
+    add_ray_arguments,
+    add_results_arguments,
+)
 from .common import (
     append_row,
     counts,
@@ -225,7 +231,7 @@ def add(sub: argparse._SubParsersAction, parser_class: type) -> argparse._SubPar
     p.add_argument("--needles", type=int, default=12, help="pass keys at depths 10..90%% (0 skips P-needle)")
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     p.add_argument("--json", help="write every result (P-ctx and P-needle rows) to this JSON file")
-    p.add_argument("--out", help="JSON-lines file that receives each result as it finishes")
+    add_results_arguments(p)
     p.add_argument("--plot-dir", help="write quality-ppl.png (curves) and quality-needle.png (heatmap) here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(p, grid=True, every_policy=True)

@@ -163,13 +163,13 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], out: Path, model, tok
 
     if args.ray is None:
         worker = Worker(args.model, progress=not args.quiet, loaded=(model, tokenizer), weights=args.weights)
-        return run_grid(cells, out, lambda: LocalPool(worker), describe, not args.quiet)
+        return run_grid(cells, out, lambda: LocalPool(worker), describe, not args.quiet, args.limit_minutes)
     from ..cluster import RayPool, connect
 
     leave = connect(args.ray)
     try:
         pool = partial(RayPool, args.model, args.workers, args.worker_cpus, args.worker_gpus, args.weights)
-        return run_grid(cells, out, pool, describe, not args.quiet)
+        return run_grid(cells, out, pool, describe, not args.quiet, args.limit_minutes)
     finally:
         leave()
 
