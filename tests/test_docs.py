@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from infinikv.bench import pages
+from infinikv.cli import main
 from infinikv.errors import InfinikvError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +123,80 @@ def test_any_rows_lay_out_by_pivot_or_columns(tmp_path):
     page.write_text("<!-- results: r.json pivot down=run -->\n<!-- /results -->\n")
     with pytest.raises(InfinikvError, match="pivot"):  # a missing argument is named, not a traceback
         pages.refresh(tmp_path)
+
+
+def test_the_board_puts_each_protocol_of_a_policy_on_one_line(tmp_path, capsys):
+    """RULER, follow-up and P-ctx rows of one policy and budget meet on one line per model; a
+    table may draw on several row files; ``report --board`` prints the same board."""
+    results = tmp_path / "docs" / "results"
+    ruler = [
+        {
+            "protocol": "RULER",
+            "model": "m",
+            "policy": "full",
+            "task": "niah_multikey_1",
+            "length": 2048,
+            "accuracy": 0.8,
+        },
+        {
+            "protocol": "RULER",
+            "model": "m",
+            "policy": "recall",
+            "budget": 0.1,
+            "task": "niah_multikey_1",
+            "length": 2048,
+            "accuracy": 0.5,
+        },
+        {
+            "protocol": "RULER",
+            "model": "other",
+            "policy": "full",
+            "task": "niah_single_1",
+            "length": 16384,
+            "accuracy": 1.0,
+        },
+    ]
+    ppl = [
+        {
+            "protocol": "P-ctx",
+            "model": "m",
+            "policy": "recall",
+            "budget": 0.1,
+            "context": 4096,
+            "perplexity": 23.7131,
+            "kv_bytes": 3 * 2**20,
+            "attended_fraction": 0.19,
+        },
+        {
+            "protocol": "P-ctx",
+            "model": "m",
+            "policy": "recall",
+            "budget": 0.05,
+            "context": 4096,
+            "perplexity": 24.5,
+            "kv_bytes": 2**20,
+            "attended_fraction": 0.1,
+        },
+    ]
+    pages.keep(ruler, results / "r.json", "infinikv eval ruler")
+    pages.keep(ppl, results / "p.json", "infinikv eval ppl")
+    page = tmp_path / "docs" / "board.md"
+    page.write_text("<!-- results: r.json+p.json board model=m -->\n<!-- /results -->\n")
+    (tmp_path / "README.md").write_text("")
+    pages.refresh(tmp_path)
+    text = page.read_text()
+    assert (
+        "infinikv eval ruler\ninfinikv eval ppl\n" in text and "(results/r.json)" in text and "(results/p.json)" in text
+    )
+    assert "| policy | niah_multikey_1 2k | P-ctx 4k | peak K/V (MiB) | attended (%) |" in text
+    assert "| full | 80 | - | - | - |" in text  # not measured: a dash
+    lines = [line for line in text.splitlines() if line.startswith("| recall")]
+    assert lines == ["| recall 0.05 | - | 24.500 | 1 | 10 |", "| recall 0.1 | 50 | 23.713 | 3 | 19 |"]
+    assert "niah_single_1 16k" not in text  # another model's rows: its own table
+    assert main(["report", "--board", str(results / "r.json"), str(results / "p.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "## m\n" in printed and "## other\n" in printed and "| full | 100 |" in printed
+    assert main(["report", "--board", str(results / "r.json"), "--json"]) == 0
+    board = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {"model": "m", "policy": "recall 0.1", "niah_multikey_1 2k": 50.0} in board
+    assert main(["report", "--board", str(page)]) == 2  # not rows: one line, exit 2

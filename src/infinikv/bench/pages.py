@@ -1,12 +1,12 @@
 """The measured tables of the README and the docs, generated from committed result rows.
 
 A page marks where a table goes with ``<!-- results: FILE TABLE [KEY=VALUE ...] -->`` and
-``<!-- /results -->``; ``docs/results/FILE`` holds the rows and how they were measured (``command``,
-``commit``, ``machine``, ``date``), ``TABLE`` names one of ``TABLES`` and the ``KEY=VALUE`` words
-are its arguments (``pivot`` and ``columns`` lay out any rows, so a new result needs no new code).
-``infinikv report --docs`` rewrites every marked block from its rows, so no measured number is typed
-by hand and a re-measurement is new rows, not an edited sentence; a test checks the pages are up to
-date.
+``<!-- /results -->``; ``docs/results/FILE`` (or several, ``A.json+B.json``) holds the rows and
+how they were measured (``command``, ``commit``, ``machine``, ``date``), ``TABLE`` names one of
+``TABLES`` and the ``KEY=VALUE`` words are its arguments (``pivot`` and ``columns`` lay out any
+rows, so a new result needs no new code). ``infinikv report --docs`` rewrites every marked block
+from its rows, so no measured number is typed by hand and a re-measurement is new rows, not an
+edited sentence; a test checks the pages are up to date.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import InfinikvError
 from ..results import run_label
+from .board import board_table
 
 MARKED = re.compile(r"(<!-- results: (\S+\.json) (\w+)((?: \S+=\S+)*) -->\n).*?(<!-- /results -->)", re.DOTALL)
 RUN = "run"  # a field name standing for ``run_label``: the policy, its budget, weights and compilation
@@ -123,6 +124,7 @@ TABLES: dict[str, Callable[..., list[str]]] = {
     "prefill": prefill_table,
     "pivot": pivot_table,
     "columns": columns_table,
+    "board": board_table,
 }
 TABLE_ARGUMENTS = re.compile(r"(\w+)=(\S+)")
 
@@ -169,23 +171,26 @@ def render(text: str, results: Path, page: Path) -> str:
     """``text`` (of ``page``) with every marked block rewritten from its rows in ``results``."""
 
     def block(match: re.Match) -> str:
-        opening, name, table, arguments, closing = match.groups()
+        opening, names, table, arguments, closing = match.groups()
         if table not in TABLES:
             raise InfinikvError(f"unknown results table {table!r} (known: {', '.join(TABLES)})")
+        sources, commands, rows = [], ["", "```sh"], []
+        for name in names.split("+"):  # a table may draw on several files: the board does
+            try:
+                measured = json.loads((results / name).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise InfinikvError(f"cannot read the results {results / name}: {exc}") from None
+            sources.append(
+                f"{measured['date']} on {measured['machine']}, commit `{measured['commit']}` "
+                f"([rows]({os.path.relpath(results / name, page.parent)}))"
+            )
+            commands.append(measured["command"])
+            rows += measured["rows"]
         try:
-            measured = json.loads((results / name).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InfinikvError(f"cannot read the results {results / name}: {exc}") from None
-        source = (
-            f"Measured {measured['date']} on {measured['machine']}, commit `{measured['commit']}` "
-            f"([rows]({os.path.relpath(results / name, page.parent)})):"
-        )
-        command = ["", "```sh", measured["command"], "```"]
-        try:
-            lines = TABLES[table](measured["rows"], **dict(TABLE_ARGUMENTS.findall(arguments)))
+            lines = TABLES[table](rows, **dict(TABLE_ARGUMENTS.findall(arguments)))
         except (TypeError, KeyError) as exc:
             raise InfinikvError(f"{page}: results table {table} {arguments.strip()}: {exc}") from None
-        return "\n".join([opening + source, *command, "", *lines, "", closing])
+        return "\n".join([opening + "Measured " + "; ".join(sources) + ":", *commands, "```", "", *lines, "", closing])
 
     return MARKED.sub(block, text)
 

@@ -140,16 +140,19 @@ def fractions_from_bench(rows: list[dict], context: int) -> dict[str, tuple[floa
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Result rows from a JSON list (``--json``) or a JSON-lines results file."""
+    """Result rows from a JSON list (``--json``), a JSON-lines results file, or the docs' kept rows
+    (``docs/results/*.json``: the rows with how they were measured)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise InfinikvError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x]
+        if text.lstrip().startswith(("[", "{\n")):
+            whole = json.loads(text)
+            return whole["rows"] if isinstance(whole, dict) and "rows" in whole else whole
+        return [json.loads(x) for x in text.splitlines() if x]
     except json.JSONDecodeError as exc:
         raise InfinikvError(f"{path} is not bench JSON ({exc.msg})") from None
-    return rows
 
 
 def plan(

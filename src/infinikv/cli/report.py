@@ -96,6 +96,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.docs:
         return refresh_docs(args)
+    if args.board:
+        return print_board(args)
     results = home() / "results"
     speed = Path(args.speed) if args.speed else latest(results, "speed")
     quality = Path(args.quality) if args.quality else latest(results, "quality")
@@ -125,6 +127,23 @@ def ruler_rows(path: Path) -> list[dict]:
     if not rows or any(not all(k in r for k in ("model", "spec", *PROTOCOLS["RULER"], "accuracy")) for r in rows):
         raise InfinikvError(f"{path} holds no infinikv eval ruler rows")
     return rows
+
+
+def print_board(args: argparse.Namespace) -> int:
+    """``--board ROWS...``: the leaderboard of the rows, one Markdown table per model, or its rows (``--json``)."""
+    from ..bench.board import board_rows, board_table
+    from ..bench.plan import read_rows
+
+    rows = [row for path in args.board for row in read_rows(Path(path))]
+    board = board_rows(rows)
+    if not board:
+        raise InfinikvError("no RULER, follow-up or P-ctx rows in " + ", ".join(args.board))
+    if args.json:
+        print("\n".join(json.dumps(r) for r in board))
+        return 0
+    for model in dict.fromkeys(r["model"] for r in board):
+        print("\n".join([f"## {model}", "", *board_table(rows, model), ""]))
+    return 0
 
 
 def refresh_docs(args: argparse.Namespace) -> int:
@@ -157,6 +176,13 @@ def add(sub: argparse._SubParsersAction) -> None:
         metavar="ROOT",
         help="instead: rewrite the measured tables of ROOT's README and docs/ from docs/results/ (default ROOT .)",
     )
+    p.add_argument(
+        "--board",
+        nargs="+",
+        metavar="ROWS",
+        help="instead: the leaderboard of these rows (eval ruler, followup, ppl; docs/results files too), per model",
+    )
+    p.add_argument("--json", action="store_true", help="with --board: print the board as JSON rows")
     p.add_argument("--keep", metavar="ROWS", help="with --docs: first save these result rows as docs/results/NAME.json")
     p.add_argument("--as", dest="name", metavar="NAME", help="with --keep: the results file's name")
     p.add_argument("--command", help="with --keep: the command that measured the rows")
