@@ -42,6 +42,22 @@ def test_generate_json_batch_from_prompts_file(capsys, tmp_path):
     assert result["texts"][0].startswith(" Paris")
 
 
+def test_generate_takes_a_policy_with_its_options_as_bench_does(capsys):
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--prompt",
+        "One, two, three,",
+        "--max-new-tokens",
+        "2",
+        "--policy",
+        "sink[capacity=8]",
+        "--json",
+    )
+    result = json.loads(out)
+    assert code == 0 and result["policy"] == "sink" and result["capacity"] == 8
+
+
 def test_generate_prompt_file_keeps_newlines(capsys, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("Line one.\nLine two.\n")
@@ -155,6 +171,8 @@ def test_every_commands_help_prints():
         (["generate", "--policy", "sink", "--budget", "1.5"], "budget"),
         (["generate", "--policy", "sink", "--capacity", "0"], "capacity"),
         (["generate", "--policy", "sink"], "needs --budget"),
+        (["generate", "--policy", "sink,h2o", "--budget", "0.5"], "takes one policy"),
+        (["generate", "--policy", "sink[capacity]"], "not option=value"),
         (["generate", "--prompt", "  "], "empty"),
         (["generate", "--model", "/no/such/model", "--prompt", "hi"], "no model"),
         (["generate", "--max-new-tokens", "x"], "invalid int"),

@@ -48,7 +48,11 @@ def add_policy_arguments(
             help="comma-separated budgets, fractions of the tokens seen in (0, 1]",
         )
     else:
-        group.add_argument("--policy", default=None, help=f"one of {names} (default: the model's own, else full)")
+        group.add_argument(
+            "--policy",
+            default=None,
+            help=f"one of {names}, optionally NAME[option=value,...] (default: the model's own, else full)",
+        )
         group.add_argument("--budget", type=float, default=None, help="tokens kept, as a fraction of the tokens seen")
     group.add_argument("--capacity", type=int, default=None, help="tokens kept per layer (instead of --budget)")
     taken, registered = set(parser._option_string_actions), []

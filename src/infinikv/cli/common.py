@@ -108,7 +108,10 @@ def single_policy(args: argparse.Namespace) -> dict[str, Any] | None:
             first = [f"--{k.replace('_', '-')}" for k in given] or ["--budget/--capacity"]
             raise InfinikvError(f"{first[0]} needs --policy")
         return None
-    spec = specs(args, [args.policy], [args.budget])[0]
+    asked = split_policies(args.policy)
+    if len(asked) != 1:
+        raise InfinikvError(f"--policy takes one policy (NAME or NAME[option=value,...]), got {args.policy!r}")
+    spec = specs(args, asked, [args.budget])[0]
     parse_spec(spec)  # refuse a bad policy before loading anything
     return {k: v for k, v in spec.items() if v is not None}
 
