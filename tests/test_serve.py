@@ -297,6 +297,8 @@ def test_stop_strings_are_held_back():
         (["serve", "--kv-memory", "lots"], "--kv-memory"),
         (["serve", "--policy", "nope"], "unknown policy"),
         (["serve", "--capacity", "8"], "needs --policy"),
+        (["serve", "--store", "/proc/no/store"], "--store /proc/no/store"),
+        (["serve", "--store-size", "big"], "--store-size"),
         (["bench", "serve", "--clients", "0"], "--clients"),
     ],
 )
@@ -561,3 +563,49 @@ def test_a_bad_api_keys_file_is_a_one_line_error(tmp_path, capsys, text, says):
     assert main(["serve", "--model", "smollm2-135m", "--api-keys", str(keys)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_conversations_outlive_the_server_in_its_store(tiny_folder, tmp_path):
+    """With --store, a conversation that leaves RAM (here at once: --keep-conversations 0) is
+    written to disk and its next turn restores it (cached_tokens), after a clean stop and after a
+    SIGKILL, with the answer the conversation gets continued in RAM; a damaged entry is prefilled."""
+    store = ["--store", str(tmp_path / "store"), "--store-kv", "fp32", "--kv-memory", "16MiB"]
+    ask = {"model": str(tiny_folder), "max_tokens": 6, "temperature": 0}
+    prompt = "one two three four five six seven"
+
+    def turn(base: str, text: str):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        return client.completions.create(prompt=text, **ask)
+
+    with running_server(str(tiny_folder), ["--kv-memory", "16MiB"]) as (base, _):  # in RAM, no store
+        first = turn(base, prompt)
+        following = prompt + first.choices[0].text + " eight nine"
+        in_ram = turn(base, following)
+        assert in_ram.usage.prompt_tokens_details.cached_tokens > 0
+    with running_server(str(tiny_folder), [*store, "--keep-conversations", "0"]) as (base, server):
+        turn(base, prompt)
+        m = wait_for(base, lambda m: m["infinikv_store_writes_total"] == 1)
+        assert m["infinikv_store_conversations"] == 1 and m["infinikv_conversations_kept"] == 0
+        server.kill()  # no clean stop: what was written before survives
+        server.wait()
+    with running_server(str(tiny_folder), [*store, "--keep-conversations", "4"]) as (base, _):
+        restored = turn(base, following)
+        assert restored.usage.prompt_tokens_details.cached_tokens == in_ram.usage.prompt_tokens_details.cached_tokens
+        assert restored.choices[0].text == in_ram.choices[0].text
+        m = metrics(base)
+        assert m["infinikv_store_restores_total"] == 1 and m["infinikv_store_conversations"] == 0
+        assert m["infinikv_conversations_kept"] == 1  # back in RAM, until the server stops
+    third = following + restored.choices[0].text + " ten"
+    with running_server(str(tiny_folder), store) as (base, _):  # the clean stop above wrote it
+        answer = turn(base, third)
+        assert answer.usage.prompt_tokens_details.cached_tokens > restored.usage.prompt_tokens_details.cached_tokens
+        assert metrics(base)["infinikv_store_restores_total"] == 1
+    damaged = ["--store", str(tmp_path / "damaged"), "--kv-memory", "16MiB", "--keep-conversations", "0"]
+    with running_server(str(tiny_folder), damaged) as (base, _):
+        turn(base, prompt)
+    for entry in (tmp_path / "damaged").glob("*.safetensors"):
+        entry.write_bytes(entry.read_bytes()[:100])
+    with running_server(str(tiny_folder), damaged) as (base, _):
+        fresh = turn(base, following)
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0 and fresh.choices[0].text == in_ram.choices[0].text
+        assert metrics(base)["infinikv_store_failures_total"] == 1

@@ -82,6 +82,12 @@ class KVCache(Cache):
     def held_bytes(self) -> int:
         return sum(layer.held_bytes() for layer in self.layers)
 
+    def kv_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every layer's K/V storage (slots and pools), each ``(b, h, S, d)`` with the slots that
+        may hold a token (the first ``n``): what a compact or lossy copy needs to keep."""
+        stores = [s for layer in self.layers for s in (layer.slots, *layer.pools)]
+        return [(t, s.n) for s in stores for t in (s.keys, s.values) if t is not None]
+
     def tier_bytes(self) -> dict[str, int]:
         """K/V held now by tier (``KVLayer.tier_bytes``), summed over layers."""
         tiers: dict[str, int] = {}

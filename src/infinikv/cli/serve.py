@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from .. import models
+from .. import models, paths
 from ..cluster import LOCAL
 from ..errors import InfinikvError
 from ..policies import parse_spec
+from ..serve.store import KV_FORMATS
 from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_flag
 from .common import check_ray_flags, given_options, load, mib, single_policy, split_policies
 
@@ -47,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..sizes import parse_bytes
 
     kv_memory, spec = parse_bytes(args.kv_memory), single_policy(args)
-    prepare = check(args)
+    prepare, store = check(args), store_options(args)
     if not 0 < args.port < 65536:
         raise InfinikvError("--port must be in 1..65535")
     with socket.socket() as probe:
@@ -57,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InfinikvError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     options = {"kv_memory": kv_memory, "max_queue": args.max_queue, "api_keys": api_keys(args)}
     options |= {"prefill_chunk": args.prefill_chunk, "compile": args.compile, "prepare": prepare}
-    options |= {"keep_conversations": args.keep_conversations}
+    options |= {"keep_conversations": args.keep_conversations, "store": store}
     if args.ray is not None:
         return serve_on_ray(args, spec, options)
     if args.threads:
@@ -74,6 +75,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def store_options(args: argparse.Namespace) -> dict | None:
+    """``--store``, ``--store-size`` and ``--store-kv`` as ``create_app``'s ``store``, or None."""
+    from ..sizes import parse_bytes
+
+    size = parse_bytes(args.store_size, "--store-size")
+    if args.store is None:
+        return None
+    try:
+        Path(args.store).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InfinikvError(f"--store {args.store}: {exc.strerror}") from None
+    return {"directory": Path(args.store), "max_bytes": size, "kv": args.store_kv}
 
 
 def say(message: str) -> None:
@@ -123,6 +138,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     serve_args += ["--keep-conversations", str(args.keep_conversations), "--weights", args.weights]
     serve_args += ["--threads", str(args.threads)] if args.threads else []
     serve_args += ["--prefill-chunk", str(args.prefill_chunk), "--compile", args.compile]
+    serve_args += (
+        ["--store", args.store, "--store-size", args.store_size, "--store-kv", args.store_kv] if args.store else []
+    )
     if spec:
         serve_args += ["--policy", spec["policy"]]
         for key in ("budget", "capacity"):
@@ -249,6 +267,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="finished requests whose caches are kept for their conversation's next turn, least recently used "
         "dropped first and whenever admission needs the room (default 16; 0: none)",
+    )
+    p.add_argument(
+        "--store",
+        nargs="?",
+        const=str(paths.home() / "conversations"),
+        default=None,
+        metavar="DIR",
+        help="write conversations that leave RAM to DIR (default $INFINIKV_HOME/conversations) and restore "
+        "them on their next turn, also after a restart (default: no store)",
+    )
+    p.add_argument("--store-size", default="8GiB", help="most disk the store uses, LRU out first (default 8GiB)")
+    p.add_argument(
+        "--store-kv",
+        choices=KV_FORMATS,
+        default=KV_FORMATS[0],
+        help=f"how stored K/V is kept: int8 (a quarter of the bytes, lossy) or fp32 (default {KV_FORMATS[0]})",
     )
     add_policy_arguments(p)
     group = add_ray_flag(p, "serve replicas on Ray Serve")

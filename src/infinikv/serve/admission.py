@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import InfinikvError
 from .conversations import Conversations, conversation_key
 from .sequence import Sequence, ServeError
+from .store import ConversationStore
 
 REJECTED = ("kv_budget_exceeded", "queue_full")  # the codes of refusals counted as rejected requests
 
@@ -18,12 +19,15 @@ class Admission:
     """A request is admitted only when the worst case of its policy's K/V (``worst_case_bytes``)
     fits in what is left of ``kv_memory``; otherwise it waits in a FIFO queue of ``max_queue``.
     Idle conversations (``keep_conversations`` at most) count against the budget and give way,
-    least recently used first, when a newcomer needs their room. Not locked itself: the
+    least recently used first, when a newcomer needs their room (to ``store``, if there is one,
+    where a request may find its conversation too). Not locked itself: the
     scheduler calls it under its lock, except ``price``."""
 
-    def __init__(self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int) -> None:
+    def __init__(
+        self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int, store: ConversationStore | None
+    ) -> None:
         self.config, self.kv_memory, self.max_queue = config, kv_memory, max_queue
-        self.conversations = Conversations(keep_conversations)
+        self.conversations = Conversations(keep_conversations, store)
         self.waiting: deque[Sequence] = deque()
         self.reserved = 0
 
@@ -74,6 +78,9 @@ class Admission:
         if index is not None:
             seq.resumed = self.conversations.take(index)
             seq.reused = len(seq.resumed.tokens)
+        elif self.conversations.store is not None:
+            seq.stored = self.conversations.store.match(seq.key, seq.prompt_ids)
+            seq.reused = seq.stored.tokens if seq.stored else 0
         self.reserved += seq.reserved
 
     def release(self, seq: Sequence) -> None:

@@ -41,6 +41,7 @@ from .schemas import (
     single_prompt,
 )
 from .sequence import Event, Sequence, ServeError
+from .store import ConversationStore
 
 
 def create_app(
@@ -56,6 +57,7 @@ def create_app(
     peers: Peers | None = None,
     prepare: Iterable[dict[str, Any]] = (),
     keep_conversations: int = 16,
+    store: dict[str, Any] | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> FastAPI:
     """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. It and
@@ -63,7 +65,8 @@ def create_app(
     the progress); a bad one, or a ``kv_memory`` that cannot hold one default request, raises
     ``InfinikvError``. With ``peers`` the app is one replica of several and its /metrics labels
     each replica's numbers. ``api_keys`` (key -> owner): every call but /health needs one, and a
-    request continues or reuses only caches its owner made (``conversations``)."""
+    request continues or reuses only caches its owner made (``conversations``). ``store``: the
+    ``ConversationStore`` arguments (directory, max_bytes, kv) where conversations that leave RAM go."""
     catalog = PolicyCatalog(model, tokenizer)
     default = catalog.prepare(default_kv, say)
     for spec in prepare:
@@ -79,7 +82,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        scheduler = Scheduler(model, tokenizer, kv_memory, max_queue, prefill_chunk, compile, keep_conversations)
+        stored = ConversationStore(model=model, **store) if store else None
+        scheduler = Scheduler(
+            model, tokenizer, kv_memory, max_queue, prefill_chunk, compile, keep_conversations, stored
+        )
         state["scheduler"] = scheduler
         state["started"] = time.time()
         stop = threading.Event()

@@ -9,7 +9,9 @@ once, and a ``--budget`` fraction is of that prompt). Matching is by tokens and 
 owner (the API key that sent it), the policy spec and the sampling, so requests that differ in
 any never share a cache. The idle
 caches count against the server's K/V budget and are dropped least recently used when admission
-needs their room, or past ``keep`` of them (0: nothing is kept).
+needs their room, or past ``keep`` of them (0: nothing is kept in RAM). With a store
+(``serve --store``) a conversation leaving RAM is written to disk instead of dropped
+(``store.ConversationStore``): by the scheduler's thread, which takes them from ``leaving``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.rows import copy_row
 from ..core import Batch, Sampling
 from ..policies import Policy
+
+if TYPE_CHECKING:
+    from .store import ConversationStore
 
 
 def conversation_key(policy: Policy, sampling: Sampling, owner: str) -> str:
@@ -54,9 +60,10 @@ def detach(batch: Batch, row: int) -> Batch:
 class Conversations:
     """Idle conversations, least recently used first, with what reusing them saved."""
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
+    def __init__(self, keep: int, store: ConversationStore | None = None) -> None:
+        self.keep, self.store = keep, store
         self.idle: OrderedDict[int, Conversation] = OrderedDict()
+        self.leaving: list[Conversation] = []  # out of RAM, for the store to write
         self.bytes = 0  # K/V the idle caches hold
         self.added = 0
         self.hits = self.tokens_saved = self.dropped = 0
@@ -96,5 +103,17 @@ class Conversations:
         return conversation
 
     def _drop(self, index: int) -> None:
-        self.bytes -= self.idle.pop(index).bytes
+        conversation = self.idle.pop(index)
+        self.bytes -= conversation.bytes
         self.dropped += 1
+        if self.store is not None:
+            self.leaving.append(conversation)
+
+    def drop_all(self) -> None:
+        """Every idle conversation leaves RAM (the server is stopping: the store keeps them)."""
+        for index in list(self.idle):
+            self._drop(index)
+
+    def take_leaving(self) -> list[Conversation]:
+        leaving, self.leaving = self.leaving, []
+        return leaving

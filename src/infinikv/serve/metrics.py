@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from .. import memory
 from .scheduler import Scheduler
+from .store import ConversationStore
 
 
 class Peers(Protocol):
@@ -24,6 +25,16 @@ class Peers(Protocol):
 
 
 PUBLISH_SECONDS = 1.0
+STORE_NUMBERS = (
+    "store_conversations",
+    "store_bytes",
+    "store_writes",
+    "store_restores",
+    "store_failures",
+    "store_evicted",
+    "store_bytes_written",
+    "store_bytes_restored",
+)
 
 
 def snapshot(scheduler: Scheduler) -> dict[str, Any]:
@@ -52,7 +63,17 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             "conversations_dropped": scheduler.admission.conversations.dropped,
             "resident_bytes": memory.rss(),
             "resident_bytes_peak": memory.peak(),
+            **store_numbers(scheduler.admission.conversations.store),
         }
+
+
+def store_numbers(store: ConversationStore | None) -> dict[str, int]:
+    """The conversation store's entries, bytes and what it did (zeros without a store)."""
+    if store is None:
+        return dict.fromkeys(STORE_NUMBERS, 0)
+    entries, size = store.size()
+    counts = (store.writes, store.restores, store.failures, store.evicted, store.bytes_written, store.bytes_restored)
+    return dict(zip(STORE_NUMBERS, (entries, size, *counts), strict=True))
 
 
 def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
@@ -96,6 +117,14 @@ def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
         ("conversations_dropped_total", "counter", "Idle conversations dropped (LRU).", "conversations_dropped"),
         ("resident_bytes", "gauge", "The process's resident memory: weights, caches and the rest.", "resident_bytes"),
         ("resident_bytes_peak", "gauge", "The most the process has held resident.", "resident_bytes_peak"),
+        ("store_conversations", "gauge", "Conversations in the store on disk (--store).", "store_conversations"),
+        ("store_bytes", "gauge", "Bytes the store's entries take on disk.", "store_bytes"),
+        ("store_writes_total", "counter", "Conversations written to the store.", "store_writes"),
+        ("store_restores_total", "counter", "Conversations restored from the store.", "store_restores"),
+        ("store_failures_total", "counter", "Entries not written or not restored (prefilled).", "store_failures"),
+        ("store_evicted_total", "counter", "Entries deleted to keep --store-size (LRU).", "store_evicted"),
+        ("store_bytes_written_total", "counter", "Bytes written to the store.", "store_bytes_written"),
+        ("store_bytes_restored_total", "counter", "Bytes read back from the store.", "store_bytes_restored"),
     ]
     for name, kind, help_text, key in metrics:
         lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]

@@ -29,6 +29,7 @@ from ..text import Detokenizer
 from .admission import REJECTED, Admission
 from .conversations import Conversation, detach
 from .sequence import Sequence, ServeError, pick
+from .store import ConversationStore
 
 
 @dataclass
@@ -60,9 +61,10 @@ class Scheduler:
         prefill_chunk: int = 512,
         compile: bool | str = "auto",
         keep_conversations: int = 16,
+        store: ConversationStore | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.admission = Admission(model.config, kv_memory, max_queue, keep_conversations)
+        self.admission = Admission(model.config, kv_memory, max_queue, keep_conversations, store)
         self.prefill_chunk, self.compile = prefill_chunk, compile
         self.eos = end_of_sequence_ids(model, tokenizer)
         self.cond = threading.Condition()
@@ -110,10 +112,14 @@ class Scheduler:
             self.cond.notify()
 
     def close(self) -> None:
+        """Stop the loop; with a store, the idle conversations are written to it."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout=30)
+        with self.cond:
+            self.admission.conversations.drop_all()
+        self._store_leaving()
 
     @property
     def active_count(self) -> int:
@@ -134,6 +140,14 @@ class Scheduler:
             if self.groups:
                 self._guard([s for g in self.groups.values() for s in g.seqs], self._step)
                 self._retire()
+            self._store_leaving()
+
+    def _store_leaving(self) -> None:
+        """Write the conversations that left RAM to the store (outside the lock: it takes a while)."""
+        with self.cond:
+            leaving = self.admission.conversations.take_leaving()
+        for conversation in leaving:
+            self.admission.conversations.store.put(conversation)
 
     def _guard(self, seqs: list[Sequence], work: Callable[[], None]) -> None:
         """Run ``work``; a failure fails ``seqs`` (the requests it was for), never the server."""
@@ -155,7 +169,11 @@ class Scheduler:
         if seq.batch is None:
             if seq.resumed is not None:  # a conversation's next turn: only its new tokens are fed
                 seq.batch, seq.prefilled, seq.resumed = seq.resumed.batch, seq.reused, None
-            else:
+            elif seq.stored is not None:  # the same, read from the store (None: it could not be)
+                seq.batch = self.admission.conversations.store.restore(seq.stored, seq.policy)
+                seq.prefilled = seq.reused = seq.stored.tokens if seq.batch is not None else 0
+                seq.stored = None
+            if seq.batch is None:
                 length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
                 compile = resolve(self.compile, self.model, seq.policy, 1, length) and seq.policy.compilable
                 seq.batch = Batch(self.model, seq.policy, compile, max_length=length)
@@ -269,8 +287,10 @@ class Scheduler:
 
     def _keeps(self, seq: Sequence) -> bool:
         """Whether ``seq``'s cache is kept for its conversation's next turn: it completed, and
-        conversations are kept."""
-        return bool(self.admission.conversations.keep) and not seq.cancelled and seq.finish_reason != "error"
+        conversations are kept (in RAM or in the store)."""
+        conversations = self.admission.conversations
+        kept = conversations.keep or conversations.store is not None
+        return kept and not seq.cancelled and seq.finish_reason != "error"
 
     def _conversation(self, seq: Sequence, batch: Batch) -> Conversation:
         """``seq``'s cache (``batch``, its row alone) as an idle conversation."""

@@ -14,6 +14,7 @@ from ..core import Batch, Sampling, next_tokens
 from ..policies import Policy
 from ..text import Detokenizer
 from .conversations import Conversation
+from .store import Entry
 
 Event = tuple[str, Any]  # ("text", Piece) | ("done", finish_reason) | ("error", message)
 
@@ -68,6 +69,7 @@ class Sequence:
     key: str = ""  # requests with equal keys may continue each other's caches (``conversation_key``)
     fed: int = 0  # generated tokens its cache has seen (the last one picked is not fed)
     resumed: Conversation | None = None  # the idle conversation it continues, until its prefill starts
+    stored: Entry | None = None  # the stored conversation it continues, until its prefill starts
     reused: int = 0  # prompt tokens it did not prefill, continuing a conversation
 
     def add(self, token: int, eos: set[int]) -> None:
