@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from .. import models, weights
+from .. import models, paths, weights
 from ..cluster import INSTALL, LOCAL
 from ..compiled import MODES
 from ..contract import REFERENCE
 from ..errors import InfinikvError
 from ..grid import append_row as append_row  # the results files of every command
 from ..policies import all_options, policy_names
+from ..serve.store import KV_FORMATS
 
 GRID_JSON = "print a JSON list, one object per (policy, budget)"
 
@@ -154,4 +155,24 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--worker-cpus", type=float, default=1, help="CPUs per worker (default 1)")
     group.add_argument(
         "--worker-gpus", type=float, default=None, help="GPUs per worker (default 1 if the cluster has any)"
+    )
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """The conversation store's flags (``serve`` and ``bench serve``)."""
+    p.add_argument(
+        "--store",
+        nargs="?",
+        const=str(paths.home() / "conversations"),
+        default=None,
+        metavar="DIR",
+        help="write conversations that leave RAM to DIR (default $INFINIKV_HOME/conversations) and restore "
+        "them on their next turn, also after a restart (default: no store)",
+    )
+    p.add_argument("--store-size", default="8GiB", help="most disk the store uses, LRU out first (default 8GiB)")
+    p.add_argument(
+        "--store-kv",
+        choices=KV_FORMATS,
+        default=KV_FORMATS[0],
+        help=f"how stored K/V is kept: int8 (a quarter of the bytes, lossy) or fp32 (default {KV_FORMATS[0]})",
     )

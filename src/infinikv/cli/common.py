@@ -213,3 +213,26 @@ def load(args: argparse.Namespace, device: str = "cpu"):
     ``args``, so result rows and cells name the format that ran."""
     args.weights = models.resolve_weights(args.model, args.weights, device)
     return models.load_model(args.model, device=device, weights=args.weights)
+
+
+def store_options(args: argparse.Namespace) -> dict | None:
+    """``--store``, ``--store-size`` and ``--store-kv`` as ``create_app``'s ``store``, or None."""
+    from ..sizes import parse_bytes
+
+    size = parse_bytes(args.store_size, "--store-size")
+    if args.store is None:
+        return None
+    try:
+        Path(args.store).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InfinikvError(f"--store {args.store}: {exc.strerror}") from None
+    return {"directory": Path(args.store), "max_bytes": size, "kv": args.store_kv}
+
+
+def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--api-key`` or ``--api-keys FILE`` as key -> owner, or None."""
+    from ..serve.keys import read_keys
+
+    if args.api_key is not None:
+        return {args.api_key: "default"}
+    return None if args.api_keys is None else read_keys(Path(args.api_keys))

@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .. import models, paths
+from .. import models
 from ..cluster import LOCAL
 from ..errors import InfinikvError
 from ..policies import parse_spec
-from ..serve.store import KV_FORMATS
-from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_flag
-from .common import check_ray_flags, given_options, load, mib, single_policy, split_policies
+from .arguments import add_compile_argument, add_model_argument, add_policy_arguments, add_ray_flag, add_store_arguments
+from .common import api_keys, check_ray_flags, given_options, load, mib, single_policy, split_policies, store_options
 
 
 def check(args: argparse.Namespace) -> list[dict]:
@@ -28,15 +26,6 @@ def check(args: argparse.Namespace) -> list[dict]:
     for spec in prepare:
         parse_spec(spec)
     return prepare
-
-
-def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
-    """``--api-key`` or ``--api-keys FILE`` as key -> owner, or None."""
-    from ..serve.keys import read_keys
-
-    if args.api_key is not None:
-        return {args.api_key: "default"}
-    return None if args.api_keys is None else read_keys(Path(args.api_keys))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -75,20 +64,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
-
-
-def store_options(args: argparse.Namespace) -> dict | None:
-    """``--store``, ``--store-size`` and ``--store-kv`` as ``create_app``'s ``store``, or None."""
-    from ..sizes import parse_bytes
-
-    size = parse_bytes(args.store_size, "--store-size")
-    if args.store is None:
-        return None
-    try:
-        Path(args.store).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InfinikvError(f"--store {args.store}: {exc.strerror}") from None
-    return {"directory": Path(args.store), "max_bytes": size, "kv": args.store_kv}
 
 
 def say(message: str) -> None:
@@ -268,22 +243,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="finished requests whose caches are kept for their conversation's next turn, least recently used "
         "dropped first and whenever admission needs the room (default 16; 0: none)",
     )
-    p.add_argument(
-        "--store",
-        nargs="?",
-        const=str(paths.home() / "conversations"),
-        default=None,
-        metavar="DIR",
-        help="write conversations that leave RAM to DIR (default $INFINIKV_HOME/conversations) and restore "
-        "them on their next turn, also after a restart (default: no store)",
-    )
-    p.add_argument("--store-size", default="8GiB", help="most disk the store uses, LRU out first (default 8GiB)")
-    p.add_argument(
-        "--store-kv",
-        choices=KV_FORMATS,
-        default=KV_FORMATS[0],
-        help=f"how stored K/V is kept: int8 (a quarter of the bytes, lossy) or fp32 (default {KV_FORMATS[0]})",
-    )
+    add_store_arguments(p)
     add_policy_arguments(p)
     group = add_ray_flag(p, "serve replicas on Ray Serve")
     group.add_argument("--replicas", type=int, default=None, help="replicas, each with its own model and K/V budget")

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import InfinikvError
-from .conversations import Conversations, conversation_key
+from .conversations import Conversations, Store, conversation_key
 from .sequence import Sequence, ServeError
-from .store import ConversationStore
 
 REJECTED = ("kv_budget_exceeded", "queue_full")  # the codes of refusals counted as rejected requests
 
@@ -24,7 +23,7 @@ class Admission:
     scheduler calls it under its lock, except ``price``."""
 
     def __init__(
-        self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int, store: ConversationStore | None
+        self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int, store: Store | None
     ) -> None:
         self.config, self.kv_memory, self.max_queue = config, kv_memory, max_queue
         self.conversations = Conversations(keep_conversations, store)
@@ -82,6 +81,16 @@ class Admission:
             seq.stored = self.conversations.store.match(seq.key, seq.prompt_ids)
             seq.reused = seq.stored.tokens if seq.stored else 0
         self.reserved += seq.reserved
+
+    def resume(self, seq: Sequence) -> None:
+        """Give ``seq`` the cache it continues: the idle one admission took, or the stored one read
+        back (none if it cannot be: then it is prefilled whole). The scheduler's thread, unlocked."""
+        if seq.resumed is not None:
+            seq.batch, seq.prefilled, seq.resumed = seq.resumed.batch, seq.reused, None
+        elif seq.stored is not None:
+            seq.batch = self.conversations.store.restore(seq.stored, seq.policy)
+            seq.prefilled = seq.reused = seq.stored.tokens if seq.batch is not None else 0
+            seq.stored = None
 
     def release(self, seq: Sequence) -> None:
         self.reserved -= seq.reserved

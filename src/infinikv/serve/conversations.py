@@ -11,24 +11,22 @@ any never share a cache. The idle
 caches count against the server's K/V budget and are dropped least recently used when admission
 needs their room, or past ``keep`` of them (0: nothing is kept in RAM). With a store
 (``serve --store``) a conversation leaving RAM is written to disk instead of dropped
-(``store.ConversationStore``): by the scheduler's thread, which takes them from ``leaving``.
+(``store.ConversationStore``): by the scheduler's thread, in ``spill``.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..cache.rows import copy_row
 from ..core import Batch, Sampling
 from ..policies import Policy
-
-if TYPE_CHECKING:
-    from .store import ConversationStore
 
 
 def conversation_key(policy: Policy, sampling: Sampling, owner: str) -> str:
@@ -57,10 +55,28 @@ def detach(batch: Batch, row: int) -> Batch:
     return alone
 
 
+@dataclass
+class Entry:
+    """A stored conversation found for a prompt: its id and how many tokens it has seen."""
+
+    id: str
+    tokens: int
+
+
+class Store(Protocol):
+    """Where conversations that leave RAM go (``store.ConversationStore``)."""
+
+    def put(self, conversation: Conversation) -> None: ...
+
+    def match(self, key: str, prompt: list[int]) -> Entry | None: ...
+
+    def restore(self, entry: Entry, policy: Policy) -> Batch | None: ...
+
+
 class Conversations:
     """Idle conversations, least recently used first, with what reusing them saved."""
 
-    def __init__(self, keep: int, store: ConversationStore | None = None) -> None:
+    def __init__(self, keep: int, store: Store | None = None) -> None:
         self.keep, self.store = keep, store
         self.idle: OrderedDict[int, Conversation] = OrderedDict()
         self.leaving: list[Conversation] = []  # out of RAM, for the store to write
@@ -114,6 +130,14 @@ class Conversations:
         for index in list(self.idle):
             self._drop(index)
 
-    def take_leaving(self) -> list[Conversation]:
-        leaving, self.leaving = self.leaving, []
-        return leaving
+    @property
+    def keeps(self) -> bool:
+        """Whether a finished request's cache is kept (in RAM or in the store)."""
+        return bool(self.keep) or self.store is not None
+
+    def spill(self, lock: threading.Condition) -> None:
+        """Write the conversations that left RAM to the store (outside ``lock``: it takes a while)."""
+        with lock:
+            leaving, self.leaving = self.leaving, []
+        for conversation in leaving:
+            self.store.put(conversation)

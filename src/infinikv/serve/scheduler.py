@@ -27,9 +27,8 @@ from ..core import Batch, step_together
 from ..engine import end_of_sequence_ids
 from ..text import Detokenizer
 from .admission import REJECTED, Admission
-from .conversations import Conversation, detach
+from .conversations import Conversation, Store, detach
 from .sequence import Sequence, ServeError, pick
-from .store import ConversationStore
 
 
 @dataclass
@@ -61,7 +60,7 @@ class Scheduler:
         prefill_chunk: int = 512,
         compile: bool | str = "auto",
         keep_conversations: int = 16,
-        store: ConversationStore | None = None,
+        store: Store | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.admission = Admission(model.config, kv_memory, max_queue, keep_conversations, store)
@@ -119,7 +118,7 @@ class Scheduler:
         self.thread.join(timeout=30)
         with self.cond:
             self.admission.conversations.drop_all()
-        self._store_leaving()
+        self.admission.conversations.spill(self.cond)
 
     @property
     def active_count(self) -> int:
@@ -140,14 +139,7 @@ class Scheduler:
             if self.groups:
                 self._guard([s for g in self.groups.values() for s in g.seqs], self._step)
                 self._retire()
-            self._store_leaving()
-
-    def _store_leaving(self) -> None:
-        """Write the conversations that left RAM to the store (outside the lock: it takes a while)."""
-        with self.cond:
-            leaving = self.admission.conversations.take_leaving()
-        for conversation in leaving:
-            self.admission.conversations.store.put(conversation)
+            self.admission.conversations.spill(self.cond)
 
     def _guard(self, seqs: list[Sequence], work: Callable[[], None]) -> None:
         """Run ``work``; a failure fails ``seqs`` (the requests it was for), never the server."""
@@ -167,12 +159,7 @@ class Scheduler:
         if seq.cancelled:
             return
         if seq.batch is None:
-            if seq.resumed is not None:  # a conversation's next turn: only its new tokens are fed
-                seq.batch, seq.prefilled, seq.resumed = seq.resumed.batch, seq.reused, None
-            elif seq.stored is not None:  # the same, read from the store (None: it could not be)
-                seq.batch = self.admission.conversations.store.restore(seq.stored, seq.policy)
-                seq.prefilled = seq.reused = seq.stored.tokens if seq.batch is not None else 0
-                seq.stored = None
+            self.admission.resume(seq)  # a conversation's next turn: only its new tokens are fed
             if seq.batch is None:
                 length = len(seq.prompt_ids) + seq.sampling.max_new_tokens
                 compile = resolve(self.compile, self.model, seq.policy, 1, length) and seq.policy.compilable
@@ -288,9 +275,7 @@ class Scheduler:
     def _keeps(self, seq: Sequence) -> bool:
         """Whether ``seq``'s cache is kept for its conversation's next turn: it completed, and
         conversations are kept (in RAM or in the store)."""
-        conversations = self.admission.conversations
-        kept = conversations.keep or conversations.store is not None
-        return kept and not seq.cancelled and seq.finish_reason != "error"
+        return self.admission.conversations.keeps and not seq.cancelled and seq.finish_reason != "error"
 
     def _conversation(self, seq: Sequence, batch: Batch) -> Conversation:
         """``seq``'s cache (``batch``, its row alone) as an idle conversation."""

@@ -13,8 +13,7 @@ import torch
 from ..core import Batch, Sampling, next_tokens
 from ..policies import Policy
 from ..text import Detokenizer
-from .conversations import Conversation
-from .store import Entry
+from .conversations import Conversation, Entry
 
 Event = tuple[str, Any]  # ("text", Piece) | ("done", finish_reason) | ("error", message)
 

@@ -26,7 +26,6 @@ import sqlite3
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from safetensors.torch import save as save_tensors
 from ..cache.cache import KVCache
 from ..core import Batch
 from ..policies import Policy
-from .conversations import Conversation
+from .conversations import Conversation, Entry
 
 log = logging.getLogger("infinikv.serve")
 
@@ -131,14 +130,6 @@ class Unpacker(pickle.Unpickler):
         if storage is None:
             storage = self.storages[(name, device)] = self.tensors[name].to(device).untyped_storage()
         return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
-
-
-@dataclass
-class Entry:
-    """A stored conversation found for a prompt: its id and how many tokens it has seen."""
-
-    id: str
-    tokens: int
 
 
 class ConversationStore:
