@@ -347,3 +347,28 @@ def test_tiny_model_prefill_then_chunks(tiny, name):
     ours = forward_loop(tiny, ids, whole(name, tiny).make_cache(tiny), 20, chunk=7)
     assert (ours - reference).abs().max() < TINY_TOLERANCE.get(name, 1e-5)
     assert math.isfinite(float(ours.abs().max()))
+
+
+@pytest.mark.parametrize("name", ALL)
+@torch.inference_mode()
+def test_a_cache_is_freed_when_its_last_reference_goes(tiny, name):
+    """No reference cycles in a cache: its K/V go back at once when nothing refers to it, not at
+    the garbage collector's next full pass (a server drops a conversation's cache and admits the
+    next request into that memory)."""
+    import gc
+    import weakref
+
+    policy = make_policy(name, capacity=16) if REGISTRY[name].takes_budget else make_policy(name)
+    batch = Batch(tiny, prepared(policy, tiny))
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 40))
+    batch.prefill([ids[0].tolist()], 0)
+    for i in range(5):
+        batch.step(ids[:, i])
+    parts = [weakref.ref(part) for layer in batch.cache.layers for part in (layer, layer.slots, *layer.pools)]
+    gc.collect()
+    gc.disable()
+    try:
+        del batch
+        assert [part() for part in parts] == [None] * len(parts)
+    finally:
+        gc.enable()

@@ -50,12 +50,10 @@ def lowest_slot(scores: torch.Tensor, valid: torch.Tensor, position: torch.Tenso
 class Evictor:
     """A ``rule`` and a ``budget``; ``fixed``: the capacity is settled once, by the prompt (see
     ``expect``), and the storage allocated for it plus one spare slot, so a decode step can
-    attend to its new token before the rule picks its victim. ``spill``, when set, is given each
-    eviction's victims (the slots and victims (b, h, k)) before they go."""
+    attend to its new token before the rule picks its victim."""
 
     def __init__(self, rule: Rule, budget: Budget, fixed: bool = False, renumbering: Renumbering | None = None):
         self.rule, self.budget, self.fixed, self.renumbering = rule, budget, fixed, renumbering
-        self.spill: Callable[[Slots, torch.Tensor], None] | None = None
         self.specs: dict[str, StateSpec] = dict(rule.state)
         if renumbering is not None:
             self.specs[Renumbering.STATE] = StateSpec(torch.int32)
@@ -128,10 +126,20 @@ class Evictor:
         self.ranked_rows = None if ranked is not None else torch.tensor(flags, device=device)
         return ranked
 
-    def evict(self, slots: Slots, newest: torch.Tensor, eviction: Eviction, length: int) -> None:
+    def evict(
+        self,
+        slots: Slots,
+        newest: torch.Tensor,
+        eviction: Eviction,
+        length: int,
+        spill: Callable[[Slots, torch.Tensor], None] | None = None,
+    ) -> None:
         """Drop each row's lowest-scored valid slots among the first ``length``, the newest first
         among equal scores (so the choice never depends on where tokens sit in the slots):
-        O(capacity) for a decode step. ``newest`` (b,) the position of each row's newest token."""
+        O(capacity) for a decode step. ``newest`` (b,) the position of each row's newest token.
+        ``spill``, if given, gets the slots and the victims (b, h, k) before they go. (It is an
+        argument, not an attribute: a layer's method kept here would make a reference cycle, and
+        a cache in a cycle is freed only by the garbage collector's rare full passes.)"""
         valid = slots.state["valid"][:, :, :length]
         scores = self.rule.scores(slots, Scoring(length, self.capacity, newest.view(-1, 1, 1)))
         position = slots.state["position"][:, :, :length]
@@ -149,8 +157,8 @@ class Evictor:
             ranked = eviction.ranked if eviction.ranked is not None else self.ranked_rows
             after = slots.state[Renumbering.STATE][:, :, :length]
             self.renumbering.evict(slots.keys[:, :, :length], after, position, valid, victims, take, ranked)
-        if self.spill is not None:
-            self.spill(slots, victims)
+        if spill is not None:
+            spill(slots, victims)
         self.rule.evict(slots, victims, take, length)
 
     # -- rows --------------------------------------------------------------------------------

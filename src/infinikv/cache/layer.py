@@ -19,6 +19,7 @@ the size of its copy changes as tokens arrive (see ``cache.fetch``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class KVLayer(CacheLayerMixin):
 
     is_croppable = False  # eviction makes "drop the last n tokens" meaningless
     pools: tuple[Slots, ...] = ()  # more slots whose rows follow the layer's (a recall layer's pool)
+    spill: Callable[[Slots, torch.Tensor], None] | None = None  # gets what the evictor drops (recall's pool)
 
     def __init__(
         self, slots: Slots, evictor: Evictor | None = None, tiers: TwoTier | None = None, window: int | None = None
@@ -211,7 +213,7 @@ class KVLayer(CacheLayerMixin):
         if self.observer is not None:
             self.observer(query, scaling, *self.attended_positions(key.shape[2]))
         if plan.eviction.count:
-            self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length)
+            self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length, self.spill)
         self.slots.settle(compact=plan.eviction.count > 1)
         self.clock.stop("attend", started)
         if self.tiers:

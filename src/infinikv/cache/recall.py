@@ -32,7 +32,6 @@ class RecallLayer(KVLayer):
             pool.add_state(name, spec)
         self.pool, self.tiers = pool, tiers
         self.pools = (pool,)
-        evictor.spill = self.spill
         self.pool_stored = 0  # pool slots that may hold a token before this forward's spill
         self.pool_held: list[int] = []  # ... and its tokens per row then
         self.spilled: tuple[Write, list[int]] | None = None  # the pool's write of this forward's victims
@@ -91,7 +90,7 @@ class RecallLayer(KVLayer):
         if self.observer is not None:
             self.observer(query, scaling, *self.attended_positions(key.shape[2]))
         if plan.eviction.count:
-            evictor.evict(self.slots, self.positions[:, -1], plan.eviction, length)
+            evictor.evict(self.slots, self.positions[:, -1], plan.eviction, length, self.spill)
         self.slots.settle(compact=plan.eviction.count > 1)
         self.clock.stop("attend", started)
         self.tiers.done()
