@@ -1,5 +1,6 @@
 """The server, end to end: a real ``infinikv serve`` on a free loopback port, the real ``openai`` client."""
 
+import json
 import re
 import shutil
 import time
@@ -108,8 +109,8 @@ def test_kv_policy_per_request(client):
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"kv": {"policy": "sink", "capacity": 8}}
     )
     assert full.kv["policy"] == "full" and sink.kv["policy"] == "sink" and sink.kv["capacity"] == 8
-    # peak K/V: the prompt is held whole until the prefill evicts; full then keeps the 3 tokens fed
-    assert sink.kv["kv_bytes"] == sink.usage.prompt_tokens * PER_TOKEN
+    # peak K/V: sink's prompt is prefilled in chunks of its capacity (8 held + 8 fed); full keeps it all
+    assert sink.usage.prompt_tokens > 16 and sink.kv["kv_bytes"] == (8 + 8) * PER_TOKEN
     assert full.kv["kv_bytes"] == (full.usage.prompt_tokens + 3) * PER_TOKEN
     with pytest.raises(openai.BadRequestError, match="unknown policy"):
         client.completions.create(model=MODEL, prompt="Hi", extra_body={"kv": {"policy": "nope"}})
@@ -179,7 +180,7 @@ def test_concurrent_batched_equals_alone(client, server, real):
 def test_budget_queue_and_cancel(client, server, real):
     prompt_tokens = len(real[1]("Once upon a time").input_ids)
     big = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
-    with pytest.raises(openai.BadRequestError, match="more than the server's --kv-memory") as never:
+    with pytest.raises(openai.BadRequestError, match="more than the server's K/V budget") as never:
         client.completions.create(**{**big, "max_tokens": 1500})
     assert never.value.code == "kv_budget_exceeded"
     cancelled = metrics(server)['infinikv_requests_total{outcome="cancelled"}']
@@ -276,6 +277,98 @@ def test_a_budget_that_holds_no_request_is_refused_at_start(capsys):
     assert "--kv-memory of 0.00 MiB cannot hold one request of the default kv full" in err and err.count("\n") == 1
 
 
+def test_a_process_budget_that_holds_no_request_is_refused_at_start(capsys):
+    assert main(["serve", "--memory", "10MiB", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "--memory of 10.00 MiB (" in err and "resident with the model loaded) cannot hold one request" in err
+
+
+def test_a_process_budget_admits_what_fits_beside_what_it_measured(real):
+    """``serve --memory``: the scheduler measures what forwards take beyond the K/V; admission keeps
+    the model, that rest and the reserved K/V under the budget, and admits a request alone whatever
+    the rest (it has nobody to wait for)."""
+    from infinikv import memory
+    from infinikv.serve.budget import ProcessBudget
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
+
+    model, tokenizer = real
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
+    full = make_policy("full")
+    one = (len(prompt) + 8) * PER_TOKEN  # what a request of 8 new tokens reserves
+    budget = ProcessBudget(memory.rss() + 2**30)
+    scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0, budget=budget)
+    try:
+        converse(scheduler, Sequence(prompt, full, Sampling(8), [], None))
+        assert budget.rest > 0  # a forward's temporaries, at least
+        assert snapshot(scheduler)["memory_bytes_rest"] == budget.rest
+        budget.total = budget.base + budget.rest + 2 * one + one // 2  # room for two requests, not three
+        admission = scheduler.admission
+        seqs = [Sequence(prompt, full, Sampling(8), [], None) for _ in range(3)]
+        for seq in seqs:
+            admission.price(seq)
+        with scheduler.cond:  # nothing is running: nothing is admitted behind the test's back
+            assert [admission.offer(seq) for seq in seqs] == [True, True, False]
+            admission.release(seqs[0])
+            assert list(admission.admit_waiting()) == [seqs[2]]
+            admission.release(seqs[1])
+            admission.release(seqs[2])
+            budget.rest = budget.total  # a rest that fills the budget: a request alone still runs
+            assert [admission.offer(seq) for seq in seqs[:2]] == [True, False]
+            admission.release(seqs[0])
+            admission.waiting.clear()
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("name, options", [("full", {}), ("bct", {"capacity": 32})])
+def test_a_decode_step_reads_the_device_once_however_many_rows(real, name, options):
+    """The tokens of every running row are picked on the device and read back in one go: a step of
+    three rows, as one of one, reads the host once (``tolist``, ``item``, ``bool``, ``int``)."""
+    import threading
+
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
+
+    model, tokenizer = real
+    reads, steps = [], []
+    originals = {method: getattr(torch.Tensor, method) for method in ("tolist", "item", "__bool__", "__int__")}
+
+    def counted(method):
+        def read(tensor, *args):
+            if threading.current_thread().name == "infinikv-scheduler":
+                reads.append(method)
+            return originals[method](tensor, *args)
+
+        return read
+
+    scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=4, keep_conversations=0, compile=False)
+    step = scheduler._step
+
+    def observed() -> None:
+        rows, before = sum(len(g.seqs) for g in scheduler.groups.values()), len(reads)
+        step()
+        steps.append((rows, reads[before:]))
+
+    scheduler._step = observed
+    prompts = [tokenizer(text).input_ids for text in ("The sea", "A quiet morning in the hills", "Tea")]
+    try:
+        for method in originals:
+            setattr(torch.Tensor, method, counted(method))
+        seqs = [Sequence(p, make_policy(name, **options), Sampling(12), [], None, ignore_eos=True) for p in prompts]
+        finished = [threading.Event() for _ in seqs]
+        for seq, event in zip(seqs, finished, strict=True):
+            seq.emit = lambda e, event=event: e[0] in ("done", "error") and event.set()
+            scheduler.submit(seq)
+        assert all(event.wait(120) for event in finished)
+    finally:
+        for method, original in originals.items():
+            setattr(torch.Tensor, method, original)
+        scheduler.close()
+    assert max(rows for rows, _ in steps) == 3
+    assert all(len(read) == 1 for _, read in steps), steps
+
+
 def test_worst_case_bytes(real):
     config = real[0].config
     assert make_policy("full").worst_case_bytes(config, 100, 50) == 150 * PER_TOKEN
@@ -284,6 +377,27 @@ def test_worst_case_bytes(real):
     assert make_policy("bct", capacity=64).worst_case_bytes(config, 10, 5) == 65 * PER_TOKEN  # allocated once
     assert make_policy("recall", capacity=64).worst_case_bytes(config, 10, 5) == 65 * PER_TOKEN  # its fast tier
     assert make_policy("sink", budget=0.5).worst_case_bytes(config, 10, 90) == 51 * PER_TOKEN
+    bct = make_policy("bct", capacity=64)  # a prompt prefilled in chunks holds at most capacity + a chunk
+    assert bct.worst_case_bytes(config, 1000, 5, chunk=64) == 128 * PER_TOKEN
+    assert bct.worst_case_bytes(config, 100, 5, chunk=64) == 100 * PER_TOKEN
+    assert make_policy("full").worst_case_bytes(config, 1000, 5, chunk=64) == 1005 * PER_TOKEN
+
+
+def test_a_long_prompt_under_a_bounded_policy_reserves_its_capacity_and_a_chunk(real, emma_ids):
+    """The server prefills in the policy's chunks and reserves what that holds at most, not the
+    whole prompt: the cache's real peak stays within it."""
+    from infinikv.serve.scheduler import Scheduler
+    from infinikv.serve.sequence import Sequence
+
+    model, tokenizer = real
+    seq = Sequence(emma_ids[0].tolist(), make_policy("bct", capacity=64), Sampling(4), [], None, ignore_eos=True)
+    scheduler = Scheduler(model, tokenizer, kv_memory=2**30, max_queue=1, keep_conversations=0)
+    try:
+        converse(scheduler, seq)
+    finally:
+        scheduler.close()
+    assert seq.chunk == 64 and seq.reserved == (64 + 64) * PER_TOKEN
+    assert 65 * PER_TOKEN <= seq.kv_bytes <= seq.reserved
 
 
 def test_stop_strings_are_held_back():
@@ -313,14 +427,28 @@ def test_bench_serve():
     )
     assert result["completed"] == 3 and result["errors"] == 0 and result["unfinished"] == 0
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["itl_p50_ms"] > 0
-    assert result["tokens_per_second"] == pytest.approx(3 * 4 / result["seconds"], rel=0.01)
+    assert result["aggregate_tokens_per_second"] == pytest.approx(3 * 4 / result["seconds"], rel=0.01)
     assert result["peak_rss_bytes"] > result["model_bytes"] > 0 and result["requests_per_second"] > 0
+    assert 1 <= result["most_decoding_at_once"] <= 2
+
+
+def test_bench_serve_measures_each_policy_on_its_own_server(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    argv = ["bench", "serve", "--policies", "full,sink[capacity=64]", "--prompt-tokens", "120", "--clients", "2"]
+    code = main([*argv, "--requests", "2", "--max-tokens", "3", "--kv-memory", "256MiB", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["full", "sink[capacity=64]"]
+    for row in rows:  # every request a document of 120 tokens, answered with exactly 3 tokens
+        assert row["completed"] == 2 and row["errors"] == 0 and row["prompt_tokens_mean"] == pytest.approx(120, abs=2)
+        assert row["aggregate_tokens_per_second"] == pytest.approx(2 * 3 / row["seconds"], rel=0.01)
+    assert code == (0 if all(r["rss_within_budget"] for r in rows) else 1)
+    assert "sink[capacity=64]" in capsys.readouterr().out
 
 
 def test_bench_serve_turns_continued_and_fresh():
-    from infinikv.bench.turns import bench_turns, turns_table
+    from infinikv.bench.turns import ChatLoad, bench_turns, turns_table
 
-    result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 256 * 2**20, 2, 2, 20, 4)
+    result = bench_turns(MODEL, ["--kv-memory", "256MiB", "--threads", "1"], 256 * 2**20, ChatLoad(2, 2, 20, 4))
     assert result["errors"] == 0
     for run, peak in result["peak_rss_bytes"].items():  # the weights are read in by the first forward
         assert peak > result["model_bytes"] and peak >= result["idle_rss_bytes"][run] > 0
@@ -563,6 +691,23 @@ def test_a_bad_api_keys_file_is_a_one_line_error(tmp_path, capsys, text, says):
     assert main(["serve", "--model", "smollm2-135m", "--api-keys", str(keys)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_conversations_survive_a_kill_under_load(tiny_folder):
+    """Six conversations opening with a document, room for two at once: every turn is answered
+    whole (429s waited out), and after a SIGKILL the new server restores from the store what the
+    old one wrote, none of it failing to load."""
+    from infinikv.bench.faults import bench_faults
+    from infinikv.bench.turns import ChatLoad
+
+    flags = ["--kv-memory", "300KiB", "--policy", "bct[capacity=64]", "--max-queue", "2", "--threads", "1"]
+    load = ChatLoad(clients=6, turns=3, turn_tokens=10, max_tokens=4, document_tokens=100)
+    result = bench_faults(str(tiny_folder), flags, 300 * 2**10, load, kill_after=6)
+    assert result["errors"] == 0 and result["turns_answered"] == result["turns_asked"] == 18, result
+    assert 1 <= result["most_decoding_at_once"] <= 2  # 64 + a chunk of 64 slots of 1 KiB reserved each: two fit
+    assert result["stored_at_kill"] >= 1 and result["resumed_from_before_kill"] >= 1
+    assert result["store_failures_after_kill"] == 0 and result["answered_at_kill"] >= 6
+    assert result["cached_tokens"] > 0
 
 
 def test_conversations_outlive_the_server_in_its_store(tiny_folder, tmp_path):

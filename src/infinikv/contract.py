@@ -94,13 +94,15 @@ class Budget:
             return self.tokens
         return max(1, math.ceil(seen * self.fraction))
 
-    def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False) -> int:
+    def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False, chunk: int | None = None) -> int:
         """The most tokens a layer under this budget holds for a request of ``total`` tokens: the
-        whole prompt until the prefill evicts, then its capacity plus the one token a decode step
-        adds before evicting. ``fixed``: the capacity is settled by the prompt and allocated once,
-        capacity plus one slots, however few tokens the request has."""
+        prompt until the prefill evicts (prefilled ``chunk`` tokens a forward: at most capacity +
+        chunk), then its capacity plus the one token a decode step adds before evicting. ``fixed``:
+        the capacity is settled by the prompt and allocated once, capacity plus one slots, however
+        few tokens the request has."""
         capacity = self.capacity(prompt_tokens if fixed else total)
-        most = max(prompt_tokens, capacity + 1)
+        prefill = prompt_tokens if chunk is None else min(prompt_tokens, capacity + chunk)
+        most = max(prefill, capacity + 1)
         return most if fixed else min(total, most)
 
     def __str__(self) -> str:

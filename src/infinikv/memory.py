@@ -7,6 +7,8 @@ loading a model peaks higher than the model then holds, and would hide what the 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import resource
 from pathlib import Path
 
@@ -33,3 +35,20 @@ def peak() -> int:
     """The most bytes resident since ``mark_peak`` (the kernel's high-water mark can lag the current
     RSS by a few pages, hence the max)."""
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+
+
+def give_back() -> None:
+    """Return the allocator's free memory to the system (glibc's ``malloc_trim``): torch frees a
+    finished request's tensors to the C heap, which keeps them resident, so without this the RSS
+    only grows; elsewhere a no-op."""
+    if _libc() is not None:
+        _libc().malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None

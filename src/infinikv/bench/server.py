@@ -26,7 +26,15 @@ def free_port() -> int:
 @contextmanager
 def running_server(model: str, serve_args: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
     """``infinikv serve`` on a free loopback port, once it answers /health: (base URL, process)."""
-    port = free_port()
+    base, server = start_server(model, serve_args, free_port())
+    try:
+        yield base, server
+    finally:
+        stop_server(server)
+
+
+def start_server(model: str, serve_args: list[str], port: int) -> tuple[str, subprocess.Popen]:
+    """``infinikv serve`` on loopback ``port``, once it answers /health: (base URL, process)."""
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "infinikv.cli", "serve", "--model", model, "--port", str(port), *serve_args]
     log = tempfile.TemporaryFile()
@@ -35,13 +43,19 @@ def running_server(model: str, serve_args: list[str]) -> Iterator[tuple[str, sub
     )
     try:
         _wait_healthy(server, base, log, timeout=300)
-        yield base, server
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    except BaseException:
+        stop_server(server)
+        raise
+    return base, server
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM (a clean stop: the store gets the idle conversations), SIGKILL after 30 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def _wait_healthy(server: subprocess.Popen, base: str, log, timeout: float) -> None:

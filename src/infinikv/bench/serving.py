@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from ..errors import InfinikvError
 from .server import running_server
 
 PROMPTS = [  # openings the bundled model continues for at least 32 tokens under greedy decoding
@@ -54,6 +55,7 @@ class Tally:
     errors: int = 0
     tokens: int = 0
     started: int = 0
+    prompt_tokens: int = 0
     messages: list[str] = field(default_factory=list)
 
 
@@ -111,6 +113,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, tally: Ta
                     break
                 if chunk.get("usage"):
                     tally.tokens += chunk["usage"]["completion_tokens"]
+                    tally.prompt_tokens += chunk["usage"]["prompt_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     now = time.perf_counter()
                     if last is None:
@@ -138,12 +141,13 @@ async def drive(
     requests: int,
     max_tokens: int,
     duration: float,
+    prompts: list[str] = PROMPTS,
     long_every: float = 0,
     long_text: str = "",
 ) -> tuple:
-    """``clients`` concurrent loops of streaming completions, and (with ``long_every``) a request
-    with the long prompt ``long_text`` every ``long_every`` seconds, measured apart; returns
-    (tally, long tally, seconds, unfinished)."""
+    """``clients`` concurrent loops of streaming completions of ``prompts`` in turn (each of exactly
+    ``max_tokens`` tokens), and (with ``long_every``) a request with the long prompt ``long_text``
+    every ``long_every`` seconds, measured apart; returns (tally, long tally, seconds, unfinished)."""
     tally, long_tally, deadline = Tally(), Tally(), time.monotonic() + duration
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -152,8 +156,9 @@ async def drive(
             while tally.started < requests and time.monotonic() < deadline:
                 body = {
                     "model": model,
-                    "prompt": PROMPTS[tally.started % len(PROMPTS)],
+                    "prompt": prompts[tally.started % len(prompts)],
                     "max_tokens": max_tokens,
+                    "ignore_eos": True,
                     "temperature": 0,
                     "stream": True,
                     "stream_options": {"include_usage": True},
@@ -201,6 +206,41 @@ def model_bytes(model: str) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
+def documents(model: str, tokens: int, count: int) -> list[str]:
+    """``count`` different prompts of ``tokens`` tokens each (by ``model``'s tokenizer): a passage
+    of Austen's Emma, then a question about it."""
+    from ..data import load_text
+    from ..models import load_tokenizer
+
+    tokenizer, text = load_tokenizer(model), load_text("austen:emma", from_chapter_one=True)
+    question = "\n\nIn one paragraph, what happens in this passage?\n"
+    ids = tokenizer(text).input_ids
+    size = tokens - len(tokenizer(question).input_ids)
+    if size < 1 or size * count > len(ids):
+        raise InfinikvError(f"--prompt-tokens {tokens}: Emma holds {len(ids)} tokens, not {count} such documents")
+    return [tokenizer.decode(ids[i * size : (i + 1) * size]) + question for i in range(count)]
+
+
+def server_numbers(base: str) -> dict[str, float]:
+    """The server's /metrics samples by name, without the ``infinikv_`` prefix and the labels (the
+    largest, of a metric with several samples: replicas, outcomes)."""
+    numbers: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("infinikv_"):
+            name = name.removeprefix("infinikv_").partition("{")[0]
+            numbers[name] = max(numbers.get(name, float(value)), float(value))
+    return numbers
+
+
+def rss_limit(kv_memory: int, memory: int | None, weights: int) -> dict:
+    """What a server's peak RSS is checked against: ``--memory`` when given (the whole process),
+    else ``--kv-memory`` plus the model's size."""
+    if memory:
+        return {"rss_limit_bytes": memory, "rss_limit": "--memory"}
+    return {"rss_limit_bytes": kv_memory + weights, "rss_limit": "--kv-memory + the model"}
+
+
 def bench_serve(
     model: str,
     serve_args: list[str],
@@ -211,27 +251,34 @@ def bench_serve(
     duration: float,
     long_every: float = 0,
     long_prompt: int = 4096,
+    prompt_tokens: int = 0,
+    memory: int | None = None,
 ) -> dict:
     """Start ``infinikv serve`` on a free loopback port, drive it, stop it; return the numbers.
 
-    With ``long_every``, a request with a prompt of about ``long_prompt`` tokens (Austen's Emma,
-    at ~4 characters a token) arrives every ``long_every`` seconds, to show what a long prefill
-    does to the running streams' inter-token latency."""
+    Each request is one of ``PROMPTS`` or, with ``prompt_tokens``, a document of that many tokens
+    (a different one for each of the first ``requests``). With ``long_every``, a request with a
+    prompt of about ``long_prompt`` tokens (Austen's Emma, at ~4 characters a token) arrives every
+    ``long_every`` seconds, to show what a long prefill does to the running streams' inter-token
+    latency. The peak RSS is checked against ``rss_limit``."""
     long_text = ""
     if long_every:
         from ..data import load_text
 
         long_text = load_text("austen:emma", from_chapter_one=True)[: 4 * long_prompt]
+    prompts = documents(model, prompt_tokens, requests) if prompt_tokens else PROMPTS
     with running_server(model, serve_args) as (base, server):
         idle = idle_latency(base, model)
         sampler = RssSampler(server.pid)
         sampler.start()
         tally, long_tally, seconds, unfinished = asyncio.run(
-            drive(base, model, clients, requests, max_tokens, duration, long_every, long_text)
+            drive(base, model, clients, requests, max_tokens, duration, prompts, long_every, long_text)
         )
         sampler.done.set()
         sampler.join()
+        most_running = int(server_numbers(base)["batch_size_max"])
     weights = model_bytes(model)
+    limit = rss_limit(kv_memory, memory, weights)
     return {
         "clients": clients,
         "requests": tally.started,
@@ -239,8 +286,10 @@ def bench_serve(
         "errors": tally.errors,
         "unfinished": unfinished,
         "seconds": round(seconds, 3),
+        "prompt_tokens_mean": round(tally.prompt_tokens / tally.completed, 1) if tally.completed else None,
         "requests_per_second": round(tally.completed / seconds, 3),
-        "tokens_per_second": round(tally.tokens / seconds, 2),
+        "aggregate_tokens_per_second": round(tally.tokens / seconds, 2),
+        "most_decoding_at_once": most_running,
         "ttft_p50_ms": percentile_ms(tally.ttft, 50),
         "ttft_p99_ms": percentile_ms(tally.ttft, 99),
         "itl_p50_ms": percentile_ms(tally.itl, 50),
@@ -250,7 +299,8 @@ def bench_serve(
         "peak_tree_rss_bytes": sampler.peak_total,
         "kv_memory_bytes": kv_memory,
         "model_bytes": weights,
-        "rss_within_budget": sampler.peak < kv_memory + weights,
+        **limit,
+        "rss_within_budget": sampler.peak < limit["rss_limit_bytes"],
         "error_messages": sorted(set(tally.messages + long_tally.messages))[:5],
         "errors_long": long_tally.errors,
         **(

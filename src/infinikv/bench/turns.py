@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import psutil
 
 from ..data import load_text
 from .server import running_server
-from .serving import RssSampler, model_bytes, percentile_ms, sse_chunks
+from .serving import RssSampler, model_bytes, percentile_ms, rss_limit, sse_chunks
 
 
 def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> str:
@@ -59,80 +60,116 @@ async def one_turn(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"text": "".join(text), "ttft": first - started, "usage": final["usage"], "kv": final["kv"]}
 
 
-async def converse(base: str, model: str, clients: int, turns: int, turn_tokens: int, max_tokens: int) -> dict:
-    """Every client's conversation, concurrently: per turn, each client's measurements."""
+@dataclass(frozen=True)
+class ChatLoad:
+    """What the clients do: ``clients`` chats of ``turns`` turns, each turn a new user message of
+    about ``turn_tokens`` tokens (the first, with ``document_tokens``, a document of that many) and
+    an answer of up to ``max_tokens``."""
+
+    clients: int
+    turns: int
+    turn_tokens: int
+    max_tokens: int
+    document_tokens: int = 0
+
+
+@dataclass
+class Chats:
+    """What the clients saw, as it happens (a fault injector watches ``completed``)."""
+
+    per_turn: list[list[dict]]  # per turn, each client's answer: text, ttft, usage, kv
+    errors: list[str] = field(default_factory=list)
+    busy: int = 0  # 429s waited out as their Retry-After said
+    interrupted: int = 0  # turns cut by a lost connection, sent again
+    completed: int = 0  # turns answered whole
+
+
+async def converse(base: str, model: str, load: ChatLoad, chats: Chats | None = None, survive: float = 0) -> Chats:
+    """Every client's conversation, concurrently, into ``chats``. With ``survive`` a turn whose
+    connection fails (the server is down) is sent again every half second for that many seconds."""
     text = load_text("austen:emma", from_chapter_one=True)
-    per_turn: list[list[dict]] = [[] for _ in range(turns)]
-    errors: list[str] = []
-    busy = [0]
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as client:
+    chats = chats or Chats([[] for _ in range(load.turns)])
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=load.clients + 1)) as client:
+
+        async def ask(body: dict) -> dict:
+            """One turn answered whole: 429s waited out, lost connections retried within ``survive``."""
+            give_up = time.monotonic() + survive
+            while True:
+                try:
+                    return await one_turn(client, f"{base}/v1/chat/completions", body)
+                except Busy as wait:  # documented back-pressure, not an error: wait as told
+                    chats.busy += 1
+                    await asyncio.sleep(wait.seconds)
+                except httpx.TransportError:
+                    if time.monotonic() > give_up:
+                        raise
+                    chats.interrupted += 1
+                    await asyncio.sleep(0.5)
 
         async def conversation(index: int) -> None:
             messages: list[dict] = []
-            for turn in range(turns):
-                messages.append({"role": "user", "content": user_message(text, index, turn, turns, turn_tokens)})
-                body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            for turn in range(load.turns):
+                size = load.document_tokens if turn == 0 and load.document_tokens else load.turn_tokens
+                messages.append({"role": "user", "content": user_message(text, index, turn, load.turns, size)})
+                body = {"model": model, "messages": messages, "max_tokens": load.max_tokens, "temperature": 0}
                 body |= {"stream": True, "stream_options": {"include_usage": True}}
                 try:
-                    answer = None
-                    while answer is None:
-                        try:
-                            answer = await one_turn(client, f"{base}/v1/chat/completions", body)
-                        except Busy as wait:  # documented back-pressure, not an error: wait as told
-                            busy[0] += 1
-                            await asyncio.sleep(wait.seconds)
+                    answer = await ask(body)
                 except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-                    errors.append(f"client {index} turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
+                    chats.errors.append(f"client {index} turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
                     return
-                per_turn[turn].append(answer)
+                chats.per_turn[turn].append(answer)
+                chats.completed += 1
                 messages.append({"role": "assistant", "content": answer["text"]})
 
-        await asyncio.gather(*(conversation(i) for i in range(clients)))
-    return {"per_turn": per_turn, "errors": errors, "busy": busy[0]}
+        await asyncio.gather(*(conversation(i) for i in range(load.clients)))
+    return chats
 
 
 def bench_turns(
-    model: str, serve_args: list[str], kv_memory: int, clients: int, turns: int, turn_tokens: int, max_tokens: int
+    model: str,
+    serve_args: list[str],
+    kv_memory: int,
+    load: ChatLoad,
+    memory: int | None = None,
 ) -> dict:
     """The conversations with continued caches and without, each on a fresh server; per turn the
     time to first token (p50 over clients), the prompt and cached tokens, the K/V held; per
-    server its peak RSS."""
+    server its peak RSS (against ``rss_limit``)."""
     runs, peak_rss, idle_rss = {}, {}, {}
-    for name, keep in (("continued", max(16, clients)), ("fresh", 0)):
+    for name, keep in (("continued", max(16, load.clients)), ("fresh", 0)):
         with running_server(model, [*serve_args, "--keep-conversations", str(keep)]) as (base, server):
             idle_rss[name] = psutil.Process(server.pid).memory_info().rss  # the model loaded, no request yet
             sampler = RssSampler(server.pid)
             sampler.start()
-            runs[name] = asyncio.run(converse(base, model, clients, turns, turn_tokens, max_tokens))
+            runs[name] = asyncio.run(converse(base, model, load))
             sampler.done.set()
             sampler.join()
             peak_rss[name] = sampler.peak
     rows = []
-    for turn in range(turns):
+    for turn in range(load.turns):
         row = {"turn": turn + 1}
         for name, run in runs.items():
-            answers = run["per_turn"][turn]
+            answers = run.per_turn[turn]
             row[f"{name}_ttft_p50_ms"] = percentile_ms([a["ttft"] for a in answers], 50)
             row[f"{name}_kv_bytes"] = max((a["kv"]["kv_bytes"] for a in answers), default=None)
             row[f"{name}_cached_tokens"] = min(
                 (a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers), default=None
             )
-        row["prompt_tokens"] = max((a["usage"]["prompt_tokens"] for a in runs["fresh"]["per_turn"][turn]), default=None)
+        row["prompt_tokens"] = max((a["usage"]["prompt_tokens"] for a in runs["fresh"].per_turn[turn]), default=None)
         rows.append(row)
     return {
-        "clients": clients,
-        "turns": turns,
-        "turn_tokens": turn_tokens,
-        "max_tokens": max_tokens,
+        **asdict(load),
         "turns_table": rows,
-        "errors": sum(len(r["errors"]) for r in runs.values()),
+        "errors": sum(len(r.errors) for r in runs.values()),
         "peak_rss_bytes": peak_rss,
         "idle_rss_bytes": idle_rss,
         "kv_memory_bytes": kv_memory,
         "model_bytes": (weights := model_bytes(model)),
-        "rss_within_budget": all(peak < kv_memory + weights for peak in peak_rss.values()),
-        "retried_429": {name: run["busy"] for name, run in runs.items()},
-        "error_messages": [m for r in runs.values() for m in r["errors"]][:5],
+        **(limit := rss_limit(kv_memory, memory, weights)),
+        "rss_within_budget": all(peak < limit["rss_limit_bytes"] for peak in peak_rss.values()),
+        "retried_429": {name: run.busy for name, run in runs.items()},
+        "error_messages": [m for r in runs.values() for m in r.errors][:5],
     }
 
 
@@ -157,10 +194,9 @@ def turns_table(result: dict) -> str:
         f"errors {result['errors']}"
     )
     rss, idle = result["peak_rss_bytes"], result["idle_rss_bytes"]
-    limit = (result["kv_memory_bytes"] + result["model_bytes"]) / 2**20
     lines.append(
         f"peak RSS: continued {rss['continued'] / 2**20:,.0f} MiB, fresh {rss['fresh'] / 2**20:,.0f} MiB "
-        f"(limit {limit:,.0f}: --kv-memory + the model; idle before the first request "
+        f"(limit {result['rss_limit_bytes'] / 2**20:,.0f}: {result['rss_limit']}; idle before the first request "
         f"{idle['continued'] / 2**20:,.0f} / {idle['fresh'] / 2**20:,.0f})"
     )
     return "\n".join(lines)

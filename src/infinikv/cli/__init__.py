@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import InfinikvError
-from . import assets, bench, evaluate, generate, report, serve
+from . import assets, bench, bench_serve, evaluate, generate, report, serve
 from .arguments import Parser
 
 
@@ -17,7 +17,8 @@ def build_parser() -> Parser:
     evaluate.add(sub, Parser)
     benches = bench.add(sub, Parser)
     report.add(sub)
-    serve.add(sub, benches)
+    serve.add(sub)
+    bench_serve.add(benches)
     assets.add(sub, Parser)
     return parser
 

@@ -25,7 +25,7 @@ from .catalogue import (  # noqa: E402
     list_models,
 )
 from .defaults import DEFAULT_POLICY, SERVING_POLICY, default_policy_spec, own_policy_spec, set_default_policy  # noqa: E402
-from .loading import gguf_format, load_model, resolve, resolve_weights, shipped_format  # noqa: E402
+from .loading import gguf_format, load_model, load_tokenizer, resolve, resolve_weights, shipped_format  # noqa: E402
 from .wheels import assemble, convert_gguf, fetch, save_model  # noqa: E402
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "is_hf_folder",
     "list_models",
     "load_model",
+    "load_tokenizer",
     "own_policy_spec",
     "resolve",
     "resolve_weights",

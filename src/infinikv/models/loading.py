@@ -88,7 +88,7 @@ def load_model(
     its ``generate()`` uses the ``bct`` policy (with ``update_rule``) unless given a cache, and
     ``save_pretrained`` keeps both in its config. A folder saved that way restores them.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from ..attention import attach
@@ -97,16 +97,12 @@ def load_model(
     weights = check_format(resolve_weights(model, weights, device), device)
     hf_logging.disable_progress_bar()
     folder, gguf_file = resolve(model)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = load_tokenizer(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
         lm = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
     except Exception as exc:  # a truncated or corrupt folder fails in many ways
-        hint = fetch_hint(model, force=True) if model in BUNDLED else "check the files or re-create them"
-        raise InfinikvError(f"cannot load model from {folder}: {str(exc).splitlines()[0][:200]}; {hint}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+        raise cannot_load(model, folder, exc) from None
     pack_weights(lm.to(device).eval(), weights)
     attach(lm)
     if kv_capacity is not None or update_rule is not None:
@@ -118,3 +114,26 @@ def load_model(
             lm, BoundedCache(capacity=kv_capacity, **({"update_rule": update_rule} if update_rule else {}))
         )
     return lm, tokenizer
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL):
+    """The tokenizer of ``model`` (as ``load_model`` names it), offline, padding on the left."""
+    from transformers import AutoTokenizer
+
+    folder, gguf_file = resolve(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, **({"gguf_file": gguf_file} if gguf_file else {})
+        )
+    except Exception as exc:
+        raise cannot_load(model, folder, exc) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def cannot_load(model: str, folder: Path, exc: Exception) -> InfinikvError:
+    """A truncated or corrupt folder fails in many ways: one line, and what to do."""
+    hint = fetch_hint(model, force=True) if model in BUNDLED else "check the files or re-create them"
+    return InfinikvError(f"cannot load model from {folder}: {str(exc).splitlines()[0][:200]}; {hint}")

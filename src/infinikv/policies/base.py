@@ -103,10 +103,11 @@ class Policy(ABC):
         that evicts reads no more than it keeps). None: the whole prompt in one forward."""
         return self.params["prefill_chunk"] or KEEP_ALL_PREFILL_CHUNK
 
-    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        """The most tokens a layer holds for one request (see ``Budget.worst_case``)."""
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int, chunk: int | None = None) -> int:
+        """The most tokens a layer holds for one request whose prompt is prefilled ``chunk`` tokens
+        a forward (None: at once; see ``Budget.worst_case``)."""
         total = prompt_tokens + max_new_tokens
-        return total if self.budget is None else self.budget.worst_case(prompt_tokens, total)
+        return total if self.budget is None else self.budget.worst_case(prompt_tokens, total, chunk=chunk)
 
     def longest(self, model: torch.nn.Module) -> int | None:
         """The most tokens (prompt + generated) a request may run to under this policy on ``model``:
@@ -117,15 +118,16 @@ class Policy(ABC):
         """K/V bytes one token takes in one of the layers this policy manages, in the model's dtype."""
         return bytes_per_token(config)
 
-    def worst_case_bytes(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        """K/V bytes a request can hold at most (what a server's admission reserves): the policy's
-        layers, plus each sliding-window layer's window (see ``window``)."""
+    def worst_case_bytes(self, config: Any, prompt_tokens: int, max_new_tokens: int, chunk: int | None = None) -> int:
+        """K/V bytes a request can hold at most (what a server's admission reserves), its prompt
+        prefilled ``chunk`` tokens a forward (None: at once): the policy's layers, plus each
+        sliding-window layer's window (see ``window``)."""
         total, spans = prompt_tokens + max_new_tokens, windows(config)
         managed = sum(w is None for w in spans) * self.token_bytes(config)
-        bounded = sum(Budget(tokens=w - 1).worst_case(prompt_tokens, total, fixed=True) for w in spans if w is not None)
-        return self.worst_case_tokens(config, prompt_tokens, max_new_tokens) * managed + bounded * bytes_per_token(
-            config
-        )
+        windowed = [Budget(tokens=w - 1) for w in spans if w is not None]
+        bounded = sum(window.worst_case(prompt_tokens, total, fixed=True, chunk=chunk) for window in windowed)
+        tokens = self.worst_case_tokens(config, prompt_tokens, max_new_tokens, chunk)
+        return tokens * managed + bounded * bytes_per_token(config)
 
     def prepare(self, model: torch.nn.Module, read: Reader, how: Preparing) -> str | None:
         """Load the policy's saved preparation for ``model``, or run it (on ``read(how.calibration,

@@ -129,8 +129,9 @@ class BoundedCache(Evicting):
         self.setup(model)
         return None if self.threshold is not None else super().longest(model)
 
-    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-        return self.resolve(config).worst_case(prompt_tokens, prompt_tokens + max_new_tokens, fixed=True)
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int, chunk: int | None = None) -> int:
+        total = prompt_tokens + max_new_tokens
+        return self.resolve(config).worst_case(prompt_tokens, total, fixed=True, chunk=chunk)
 
     def label(self) -> str:
         return self.named(f"{self.name}:{self.params['update_rule']}", ("update_rule",))

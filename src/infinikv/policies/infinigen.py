@@ -279,6 +279,6 @@ class InfiniGen(Policy):
             in_order,
         )
 
-    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int, chunk: int | None = None) -> int:
         total = prompt_tokens + max_new_tokens
-        return total if self.pool is None else self.pool.worst_case(prompt_tokens, total)
+        return total if self.pool is None else self.pool.worst_case(prompt_tokens, total, chunk=chunk)

@@ -83,9 +83,10 @@ class Recall(Policy):
         pool = Slots(home=slow_tier(model))
         return RecallLayer(fast.slots, fast.evictor, pool, TwoTier(self.seeker.speculation(index, model, False)))
 
-    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+    def worst_case_tokens(self, config: Any, prompt_tokens: int, max_new_tokens: int, chunk: int | None = None) -> int:
         # the fast tier and the pool hold every token between them; the fast tier is allocated whole
-        return max(prompt_tokens + max_new_tokens, self.fast.worst_case_tokens(config, prompt_tokens, max_new_tokens))
+        fast = self.fast.worst_case_tokens(config, prompt_tokens, max_new_tokens, chunk)
+        return max(prompt_tokens + max_new_tokens, fast)
 
     def label(self) -> str:
         return self.named(f"{self.name}:{self.params['update_rule']}", ("update_rule",))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+
+import torch
 
 from ..errors import InfinikvError
+from .budget import ProcessBudget
 from .conversations import Conversations, Store, conversation_key
 from .sequence import Sequence, ServeError
 
@@ -19,31 +21,44 @@ class Admission:
     fits in what is left of ``kv_memory``; otherwise it waits in a FIFO queue of ``max_queue``.
     Idle conversations (``keep_conversations`` at most) count against the budget and give way,
     least recently used first, when a newcomer needs their room (to ``store``, if there is one,
-    where a request may find its conversation too). Not locked itself: the
+    where a request may find its conversation too). With a process ``budget`` (``serve --memory``)
+    the reserved K/V must also fit in what the model, the runtime and the measured rest leave;
+    a request alone is admitted on its K/V (it has nobody to wait for). Not locked itself: the
     scheduler calls it under its lock, except ``price``."""
 
     def __init__(
-        self, config: Any, kv_memory: int, max_queue: int, keep_conversations: int, store: Store | None
+        self,
+        model: torch.nn.Module,
+        kv_memory: int,
+        max_queue: int,
+        keep_conversations: int,
+        store: Store | None,
+        budget: ProcessBudget | None = None,
     ) -> None:
-        self.config, self.kv_memory, self.max_queue = config, kv_memory, max_queue
+        self.model, self.kv_memory, self.max_queue, self.budget = model, kv_memory, max_queue, budget
         self.conversations = Conversations(keep_conversations, store)
         self.waiting: deque[Sequence] = deque()
         self.reserved = 0
 
     def price(self, seq: Sequence) -> None:
-        """Set ``seq``'s reservation and conversation key; ServeError 400 if it could never fit."""
+        """Set ``seq``'s prefill chunk (its policy's), reservation and conversation key; ServeError
+        400 if it could never fit."""
+        prompt = len(seq.prompt_ids)
         try:
-            seq.reserved = seq.policy.worst_case_bytes(self.config, len(seq.prompt_ids), seq.sampling.max_new_tokens)
+            chunk = seq.policy.prefill_chunk(self.model, prompt)
+            seq.reserved = seq.policy.worst_case_bytes(self.model.config, prompt, seq.sampling.max_new_tokens, chunk)
+            seq.chunk = chunk or prompt
         except InfinikvError as exc:  # e.g. a kv_memory that holds no token of this model
             raise ServeError(400, f"kv: {exc}", param="kv") from None
         seq.key = conversation_key(seq.policy, seq.sampling, seq.owner)
-        if seq.reserved > self.kv_memory:
+        most = self.kv_memory if self.budget is None else min(self.kv_memory, self.budget.room(0, alone=True))
+        if seq.reserved > most:
             raise ServeError(
                 400,
                 f"this request needs up to {seq.reserved / 2**20:.1f} MiB of K/V under {seq.policy!r} "
                 f"({len(seq.prompt_ids)} prompt + {seq.sampling.max_new_tokens} new tokens), more than the "
-                f"server's --kv-memory of {self.kv_memory / 2**20:.1f} MiB; lower max_tokens or pick a bounded kv "
-                "policy",
+                f"server's K/V budget of {most / 2**20:.1f} MiB (--kv-memory, or what --memory leaves beside the "
+                "model); lower max_tokens or pick a bounded kv policy",
                 param="max_tokens",
                 code="kv_budget_exceeded",
             )
@@ -67,6 +82,8 @@ class Admission:
         """Whether ``seq``'s reservation fits beside the running ones'; idle conversations make
         room, least recently used first (not the one ``seq`` continues, whose K/V it takes over)."""
         room = self.kv_memory - self.reserved - seq.reserved
+        if self.budget is not None:
+            room = min(room, self.budget.room(self.reserved + seq.reserved, alone=not self.reserved))
         if room < 0:
             return False
         self.conversations.make_room(room, self.conversations.match(seq.key, seq.prompt_ids))

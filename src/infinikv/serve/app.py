@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ..core import Sampling
 from ..errors import InfinikvError
+from .budget import ProcessBudget
 from .catalog import PolicyCatalog
 from .keys import key_owner
 from .metrics import Peers, prometheus, publish, snapshot
@@ -43,13 +44,15 @@ from .schemas import (
 from .sequence import Event, Sequence, ServeError
 from .store import ConversationStore
 
+DEFAULT_KV_MEMORY = 2**30  # without --kv-memory or --memory
+
 
 def create_app(
     model: torch.nn.Module,
     tokenizer,
     model_name: str,
     default_kv: dict[str, Any],
-    kv_memory: int,
+    kv_memory: int | None,
     max_queue: int,
     api_keys: dict[str, str] | None = None,
     prefill_chunk: int = 512,
@@ -58,33 +61,48 @@ def create_app(
     prepare: Iterable[dict[str, Any]] = (),
     keep_conversations: int = 16,
     store: dict[str, Any] | None = None,
+    memory: int | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> FastAPI:
     """The server's app; ``default_kv`` is the policy spec a request without ``kv`` gets. It and
     the specs in ``prepare`` are built and prepared here, before the port opens (``say`` tells
-    the progress); a bad one, or a ``kv_memory`` that cannot hold one default request, raises
-    ``InfinikvError``. With ``peers`` the app is one replica of several and its /metrics labels
-    each replica's numbers. ``api_keys`` (key -> owner): every call but /health needs one, and a
-    request continues or reuses only caches its owner made (``conversations``). ``store``: the
-    ``ConversationStore`` arguments (directory, max_bytes, kv) where conversations that leave RAM go."""
+    the progress); a bad one, or a ``kv_memory`` (None: what ``memory`` leaves beside the model,
+    else ``DEFAULT_KV_MEMORY``) that cannot hold one default request, raises ``InfinikvError``.
+    With ``peers`` the app is one replica of several and its /metrics labels each replica's
+    numbers. ``api_keys`` (key -> owner): every call but /health needs one, and a request
+    continues or reuses only caches its owner made (``conversations``). ``store``: the
+    ``ConversationStore`` arguments (directory, max_bytes, kv) where conversations that leave RAM go.
+    ``memory``: the process's budget (``budget.ProcessBudget``), measured from here: the model and
+    the runtime are what is resident now."""
     catalog = PolicyCatalog(model, tokenizer)
     default = catalog.prepare(default_kv, say)
     for spec in prepare:
         catalog.prepare(spec, say)
     smallest = default.worst_case_bytes(model.config, 1, CHAT_DEFAULT_MAX_TOKENS)
-    if smallest > kv_memory:
-        raise InfinikvError(
-            f"--kv-memory of {kv_memory / 2**20:.2f} MiB cannot hold one request of the default kv {default!r}: "
-            f"a 1-token prompt with the default max_tokens {CHAT_DEFAULT_MAX_TOKENS} needs up to "
-            f"{smallest / 2**20:.2f} MiB"
-        )
+    budget = ProcessBudget(memory) if memory else None
+    if kv_memory is None:
+        kv_memory = budget.room(0, alone=True) if budget else DEFAULT_KV_MEMORY
+    limits = []
+    if budget:
+        resident = f"{budget.base / 2**20:.0f} MiB resident with the model loaded"
+        limits.append((budget.room(0, alone=True), f"--memory of {memory / 2**20:.2f} MiB ({resident})"))
+    limits.append((kv_memory, f"--kv-memory of {kv_memory / 2**20:.2f} MiB"))
+    for room, flag in limits:
+        if smallest > room:
+            raise InfinikvError(
+                f"{flag} cannot hold one request of the default kv {default!r}: a 1-token prompt with the "
+                f"default max_tokens {CHAT_DEFAULT_MAX_TOKENS} needs up to {smallest / 2**20:.2f} MiB of K/V"
+            )
+    if budget:
+        budget.probe(model, default, min(prefill_chunk, default.prefill_chunk(model, prefill_chunk) or prefill_chunk))
+    say("budgets: " + ", ".join(flag for _, flag in limits))
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         stored = ConversationStore(model=model, **store) if store else None
         scheduler = Scheduler(
-            model, tokenizer, kv_memory, max_queue, prefill_chunk, compile, keep_conversations, stored
+            model, tokenizer, kv_memory, max_queue, prefill_chunk, compile, keep_conversations, stored, budget
         )
         state["scheduler"] = scheduler
         state["started"] = time.time()

@@ -7,6 +7,7 @@ import time
 from typing import Any, Protocol
 
 from .. import memory
+from .budget import ProcessBudget
 from .scheduler import Scheduler
 from .store import ConversationStore
 
@@ -25,6 +26,7 @@ class Peers(Protocol):
 
 
 PUBLISH_SECONDS = 1.0
+BUDGET_NUMBERS = ("memory_bytes_budget", "memory_bytes_base", "memory_bytes_rest")
 STORE_NUMBERS = (
     "store_conversations",
     "store_bytes",
@@ -64,6 +66,7 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             "resident_bytes": memory.rss(),
             "resident_bytes_peak": memory.peak(),
             **store_numbers(scheduler.admission.conversations.store),
+            **budget_numbers(scheduler.admission.budget),
         }
 
 
@@ -74,6 +77,11 @@ def store_numbers(store: ConversationStore | None) -> dict[str, int]:
     entries, size = store.size()
     counts = (store.writes, store.restores, store.failures, store.evicted, store.bytes_written, store.bytes_restored)
     return dict(zip(STORE_NUMBERS, (entries, size, *counts), strict=True))
+
+
+def budget_numbers(budget: ProcessBudget | None) -> dict[str, int]:
+    """``serve --memory``: the budget, the resident base and the measured rest (zeros without)."""
+    return dict.fromkeys(BUDGET_NUMBERS, 0) if budget is None else budget.numbers()
 
 
 def publish(peers: Peers, scheduler: Scheduler, stop: threading.Event) -> None:
@@ -117,6 +125,9 @@ def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
         ("conversations_dropped_total", "counter", "Idle conversations dropped (LRU).", "conversations_dropped"),
         ("resident_bytes", "gauge", "The process's resident memory: weights, caches and the rest.", "resident_bytes"),
         ("resident_bytes_peak", "gauge", "The most the process has held resident.", "resident_bytes_peak"),
+        ("memory_bytes_budget", "gauge", "The process's budget (--memory; 0: none).", "memory_bytes_budget"),
+        ("memory_bytes_base", "gauge", "Resident before any request: the model, the runtime.", "memory_bytes_base"),
+        ("memory_bytes_rest", "gauge", "Most measured beyond the base and the K/V held.", "memory_bytes_rest"),
         ("store_conversations", "gauge", "Conversations in the store on disk (--store).", "store_conversations"),
         ("store_bytes", "gauge", "Bytes the store's entries take on disk.", "store_bytes"),
         ("store_writes_total", "counter", "Conversations written to the store.", "store_writes"),

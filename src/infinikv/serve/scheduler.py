@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import memory
 from ..compiled import resolve
 from ..core import Batch, step_together
 from ..engine import end_of_sequence_ids
 from ..text import Detokenizer
 from .admission import REJECTED, Admission
+from .budget import ProcessBudget
 from .conversations import Conversation, Store, detach
 from .sequence import Sequence, ServeError, pick
 
@@ -61,9 +63,10 @@ class Scheduler:
         compile: bool | str = "auto",
         keep_conversations: int = 16,
         store: Store | None = None,
+        budget: ProcessBudget | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.admission = Admission(model.config, kv_memory, max_queue, keep_conversations, store)
+        self.admission = Admission(model, kv_memory, max_queue, keep_conversations, store, budget)
         self.prefill_chunk, self.compile = prefill_chunk, compile
         self.eos = end_of_sequence_ids(model, tokenizer)
         self.cond = threading.Condition()
@@ -167,7 +170,7 @@ class Scheduler:
                 seq.batch.expect([seq.prompt_ids])  # a --budget fraction is of the whole prompt
             seq.generator = seq.sampling.generator(seq.batch.device)
             seq.detokenizer = Detokenizer(self.tokenizer)
-        end = seq.prefilled + self.chunk_size()
+        end = seq.prefilled + min(self.chunk_size(), seq.chunk)
         ids = torch.tensor([seq.prompt_ids[seq.prefilled : end]], device=seq.batch.device)
         started = time.perf_counter()
         logits = seq.batch.feed(ids)
@@ -188,6 +191,7 @@ class Scheduler:
                 group.seqs.append(seq)
             seq.batch = None
         self._count_held()
+        self._observe()
 
     def chunk_size(self) -> int:
         """Prompt tokens for the next prefill chunk: about one decode step's worth while streams run."""
@@ -214,6 +218,12 @@ class Scheduler:
             while len(self.recent) > 1 and time.monotonic() - self.recent[0][0] > 10:
                 self.recent.popleft()
         self._count_held()
+        self._observe()
+
+    def _observe(self) -> None:
+        """Under ``serve --memory``: what the forward just run took beyond the K/V held."""
+        if self.admission.budget is not None:
+            self.admission.budget.observe(self.held + self.admission.conversations.bytes)
 
     def _count_held(self) -> None:
         held = sum(g.batch.cache.held_bytes() for g in self.groups.values())
@@ -256,6 +266,7 @@ class Scheduler:
                 del self.groups[key]
         if not done:
             return
+        memory.give_back()  # their K/V and copies, freed to the C heap, back to the system
         with self.cond:
             for conversation in kept:
                 self.admission.conversations.put(conversation)

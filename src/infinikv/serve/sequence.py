@@ -53,6 +53,7 @@ class Sequence:
     emit: Callable[[Event], None]  # thread-safe: called from the scheduler thread
     ignore_eos: bool = False  # an end-of-sequence token is a token like any other
     reserved: int = 0  # K/V bytes admission set aside for it
+    chunk: int = 0  # most prompt tokens a prefill forward takes (its policy's chunk), set by admission
     tokens: list[int] = field(default_factory=list)
     batch: Batch | None = None  # its own batch while its prompt is prefilled, chunk by chunk
     prefilled: int = 0  # prompt tokens fed so far
