@@ -414,6 +414,9 @@ def test_stop_strings_are_held_back():
         (["serve", "--store", "/proc/no/store"], "--store /proc/no/store"),
         (["serve", "--store-size", "big"], "--store-size"),
         (["bench", "serve", "--clients", "0"], "--clients"),
+        (["bench", "serve", "--json", "/proc/no/rows.json"], "--json /proc/no/rows.json: cannot write"),
+        (["bench", "serve", "--policy", "full", "--policies", "full,sink"], "not both"),
+        (["bench", "serve", "--kill-after", "3"], "give --turns"),
     ],
 )
 def test_cli_usage_errors(argv, says, capsys):

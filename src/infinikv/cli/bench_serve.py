@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise InfinikvError("--turns runs one policy on one server process; drop --ray and --policies")
     if args.policies is not None and args.ray is not None:
         raise InfinikvError("--policies starts one server process per policy; drop --ray")
+    if args.json not in (None, "-") and not os.access(Path(args.json).resolve().parent, os.W_OK):
+        raise InfinikvError(f"--json {args.json}: cannot write there")  # said now, not after the run
     serve_args = ["--max-queue", str(args.max_queue), "--prepare", args.prepare]
     serve_args += ["--kv-memory", args.kv_memory] if args.kv_memory else []
     serve_args += ["--memory", args.memory] if args.memory else []
