@@ -21,3 +21,4 @@ def test_a_peak_is_read_from_its_mark():
     assert held >= memory.rss() + 60 * 2**20  # the peak remembers the block
     memory.mark_peak()
     assert memory.peak() < held - 32 * 2**20  # a new mark forgets it
+    assert memory.highest() >= held  # the whole life's peak does not

@@ -22,8 +22,13 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+_before_marks = 0  # the highest peak a ``mark_peak`` reset (``highest`` keeps the whole life's)
+
+
 def mark_peak() -> int:
     """Start a new peak here (where the kernel lets a process reset its own); returns ``rss()``."""
+    global _before_marks
+    _before_marks = max(_before_marks, peak())
     try:
         CLEAR_REFS.write_text("5")
     except OSError:
@@ -35,6 +40,11 @@ def peak() -> int:
     """The most bytes resident since ``mark_peak`` (the kernel's high-water mark can lag the current
     RSS by a few pages, hence the max)."""
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+
+
+def highest() -> int:
+    """The most bytes resident in the process's whole life, across ``mark_peak`` resets."""
+    return max(_before_marks, peak())
 
 
 def give_back() -> None:

@@ -5,8 +5,8 @@ Every client holds a chat of ``turns`` turns that opens with a document; a 429 i
 ``Retry-After`` says, and a turn cut by the kill is sent again once the server is back. After
 ``kill_after`` turns have been answered in all, the server is killed without warning and a new one
 started on the same port and conversation store; the run then shows what survived: the
-conversations the store held at the kill, how many the new server restored (those and any it wrote
-itself), and whether any entry failed to load (a failure is a fresh prefill, never an error).
+conversations the store held at the kill, how many of them the new server resumed, and whether any
+entry failed to load (a failure is a fresh prefill, never an error).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             "reuse_tokens_saved": scheduler.admission.conversations.tokens_saved,
             "conversations_dropped": scheduler.admission.conversations.dropped,
             "resident_bytes": memory.rss(),
-            "resident_bytes_peak": memory.peak(),
+            "resident_bytes_peak": memory.highest(),
             **store_numbers(scheduler.admission.conversations.store),
             **budget_numbers(scheduler.admission.budget),
         }
