@@ -742,6 +742,7 @@ def test_conversations_outlive_the_server_in_its_store(tiny_folder, tmp_path):
         assert restored.choices[0].text == in_ram.choices[0].text
         m = metrics(base)
         assert m["infinikv_store_restores_total"] == 1 and m["infinikv_store_conversations"] == 0
+        assert m["infinikv_store_inherited"] == m["infinikv_store_resumed_total"] == 1  # written before the kill
         assert m["infinikv_conversations_kept"] == 1  # back in RAM, until the server stops
     third = following + restored.choices[0].text + " ten"
     with running_server(str(tiny_folder), store) as (base, _):  # the clean stop above wrote it

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
-from ..serve.store import entry_ids
 from .server import free_port, start_server, stop_server
 from .serving import RssSampler, model_bytes, percentile_ms, rss_limit, server_numbers
 from .turns import ChatLoad, Chats, converse
@@ -52,14 +50,12 @@ async def _run(
     answered_at_kill = chats.completed
     server.kill()
     await asyncio.to_thread(server.wait)
-    written_before = entry_ids(Path(store))  # what the killed server had written, as it left it
     base, server = await asyncio.to_thread(start_server, model, flags, port)
     samplers.append(RssSampler(server.pid))
     samplers[1].start()
     await talk
     after = await asyncio.to_thread(server_numbers, base)
     await asyncio.to_thread(stop_server, server)
-    resumed = len(written_before - entry_ids(Path(store)))  # a restored entry leaves the store
     for sampler in samplers:
         sampler.done.set()
         sampler.join()
@@ -75,8 +71,8 @@ async def _run(
         "retried_429": chats.busy,
         "interrupted": chats.interrupted,
         "answered_at_kill": answered_at_kill,
-        "stored_at_kill": len(written_before),
-        "resumed_from_before_kill": resumed,
+        "stored_at_kill": int(after["store_inherited"]),  # what the killed server left, found at the restart
+        "resumed_from_before_kill": int(after["store_resumed_total"]),
         "restored_by_new_server": int(after["store_restores_total"]),
         "evicted_by_new_server": int(after["store_evicted_total"]),
         "store_failures_after_kill": int(after["store_failures_total"]),

@@ -36,6 +36,8 @@ STORE_NUMBERS = (
     "store_evicted",
     "store_bytes_written",
     "store_bytes_restored",
+    "store_inherited",
+    "store_resumed",
 )
 
 
@@ -76,6 +78,7 @@ def store_numbers(store: ConversationStore | None) -> dict[str, int]:
         return dict.fromkeys(STORE_NUMBERS, 0)
     entries, size = store.size()
     counts = (store.writes, store.restores, store.failures, store.evicted, store.bytes_written, store.bytes_restored)
+    counts += (len(store.inherited), store.resumed)
     return dict(zip(STORE_NUMBERS, (entries, size, *counts), strict=True))
 
 
@@ -136,6 +139,8 @@ def prometheus(replicas: dict[str, dict[str, Any]]) -> str:
         ("store_evicted_total", "counter", "Entries deleted to keep --store-size (LRU).", "store_evicted"),
         ("store_bytes_written_total", "counter", "Bytes written to the store.", "store_bytes_written"),
         ("store_bytes_restored_total", "counter", "Bytes read back from the store.", "store_bytes_restored"),
+        ("store_inherited", "gauge", "Entries the store held when this process started.", "store_inherited"),
+        ("store_resumed_total", "counter", "Entries from before this process restored.", "store_resumed"),
     ]
     for name, kind, help_text, key in metrics:
         lines += [f"# HELP infinikv_{name} {help_text}", f"# TYPE infinikv_{name} {kind}"]

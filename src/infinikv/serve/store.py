@@ -16,7 +16,6 @@ and a few builtins: the store is the server's own directory, not a place for for
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import io
 import json
@@ -133,16 +132,6 @@ class Unpacker(pickle.Unpickler):
         return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
-INDEX = "index.sqlite"
-
-
-def entry_ids(directory: Path) -> set[str]:
-    """The ids of the entries in the store at ``directory`` now (read by another process: what
-    survives a server)."""
-    with contextlib.closing(sqlite3.connect(Path(directory) / INDEX)) as db:
-        return {row[0] for row in db.execute("SELECT id FROM entries")}
-
-
 class ConversationStore:
     """Idle conversations in ``directory``, at most ``max_bytes`` of it, with what it did."""
 
@@ -151,12 +140,13 @@ class ConversationStore:
         self.model, self.shared, self.fingerprint = model, shared_objects(model), fingerprint(model)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
-        self.db = sqlite3.connect(self.directory / INDEX, check_same_thread=False, isolation_level=None)
+        self.db = sqlite3.connect(self.directory / "index.sqlite", check_same_thread=False, isolation_level=None)
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS entries (id TEXT PRIMARY KEY, model TEXT, key TEXT, n INTEGER, "
             "tokens TEXT, bytes INTEGER, used REAL, checksum TEXT)"
         )
-        self.writes = self.restores = self.failures = self.evicted = 0
+        self.inherited = {row[0] for row in self.db.execute("SELECT id FROM entries")}  # from before this process
+        self.writes = self.restores = self.failures = self.evicted = self.resumed = 0
         self.bytes_written = self.bytes_restored = 0
 
     # -- what /metrics shows -----------------------------------------------------------------
@@ -253,6 +243,7 @@ class ConversationStore:
             self._delete(entry.id)
             return None
         self.restores += 1
+        self.resumed += entry.id in self.inherited
         self.bytes_restored += len(data)
         self._delete(entry.id)
         return batch
