@@ -25,8 +25,8 @@ import torch
 from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
-from .policies import Policy
-from .rereading import reread
+from .policies import Policy, reference
+from .rereading import observer, score_tables
 from .sampling import Sampling, next_tokens
 from .sizes import model_device
 
@@ -98,7 +98,21 @@ class Batch:
         after its last): its length, and where a rule asks, its second reading (``rereading``)."""
         self.cache.expect([len(p) for p in prompts])
         if self.cache.rereading():
-            reread(self, prompts)
+            self._reread(prompts)
+
+    def _reread(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Give the cache, for each rereading layer, the most attention a second reading of each
+        row's prompt (fed right after itself, alone, over a ``full`` cache) paid each of its tokens."""
+        layers = self.cache.rereading()
+        rows: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        for prompt in prompts:
+            reading, peaks = Batch(self.model, reference()), {}
+            for i in layers:
+                reading.cache.layers[i].observer = observer(peaks, i, reading.cache.layers[i], len(prompt))
+            reading.prefill([list(prompt) * 2], pad_id=0)  # one row alone: never padded
+            for i in layers:
+                rows[i].append(peaks[i])
+        self.cache.give_prompt_scores(*score_tables(rows, prompts, self.device))
 
     def prompt_read(self) -> None:
         """The prompt is in the cache: its second reading's scores are no longer needed."""

@@ -5,42 +5,29 @@ reconstructing the context; here the reconstruction is the prompt fed again righ
 over a ``full`` cache (the second copy is predicted by copying from the first). Each row is read
 alone, in the full policy's chunks; the reading's cache is dropped once its scores are taken.
 Its cost is a prefill of twice the prompt, paid once per prompt, before the prompt is read into
-the bounded cache.
+the bounded cache. The reading runs on the decode core (``Batch.expect``); here are its parts: the
+observer that takes a layer's peaks and the tables the cache is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from .kv.attend import peak_attention
-from .policies import reference
-
-if TYPE_CHECKING:
-    from .core import Batch
 
 
-def reread(batch: Batch, prompts: Sequence[Sequence[int]]) -> None:
-    """Give ``batch``'s cache, for each rereading layer, the most attention the second reading of
-    each row's prompt paid each of its tokens (``KVCache.give_prompt_scores``)."""
-    layers = batch.cache.rereading()
-    rows: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-    for prompt in prompts:
-        reading = type(batch)(batch.model, reference())
-        peaks: dict[int, torch.Tensor] = {}
-        for i in layers:
-            reading.cache.layers[i].observer = observer(peaks, i, reading.cache.layers[i], len(prompt))
-        reading.prefill([list(prompt) * 2], pad_id=0)  # one row alone: never padded
-        for i in layers:
-            rows[i].append(peaks[i])
+def score_tables(
+    rows: dict[int, list[torch.Tensor]], prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Each rereading layer's peaks, a (1, h, len(prompt)) tensor per row, as one (b, h, longest)
+    table padded with zeros, and the rows' prompt lengths (b, 1, 1): what ``KVCache.give_prompt_scores``
+    takes."""
     longest = max(len(p) for p in prompts)
-    tables = {
-        i: torch.cat([torch.nn.functional.pad(row, (0, longest - row.shape[-1])) for row in rows[i]]) for i in layers
-    }
-    lengths = torch.tensor([len(p) for p in prompts], device=batch.device).view(-1, 1, 1)
-    batch.cache.give_prompt_scores(tables, lengths)
+    pad = torch.nn.functional.pad
+    tables = {i: torch.cat([pad(r, (0, longest - r.shape[-1])) for r in peaks]) for i, peaks in rows.items()}
+    return tables, torch.tensor([len(p) for p in prompts], device=device).view(-1, 1, 1)
 
 
 def observer(peaks: dict[int, torch.Tensor], index: int, layer, length: int):
