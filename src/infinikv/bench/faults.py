@@ -15,8 +15,8 @@ import asyncio
 import tempfile
 from dataclasses import asdict
 
-from .server import free_port, start_server, stop_server
-from .serving import RssSampler, model_bytes, percentile_ms, rss_limit, server_numbers
+from .server import free_port, rss_limit, server_numbers, start_server, stop_server
+from .serving import RssSampler, model_bytes, percentile_ms
 from .turns import ChatLoad, Chats, converse
 
 

@@ -1,5 +1,6 @@
 """A real ``infinikv serve`` process for the serving benchmarks and tests: on a free loopback port,
-waited for until it answers ``/health``, stopped on exit."""
+waited for until it answers ``/health``, stopped on exit; its ``/metrics`` read back, and the RSS
+limit a run checks it against."""
 
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ def stop_server(server: subprocess.Popen) -> None:
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.kill()
+
+
+def server_numbers(base: str) -> dict[str, float]:
+    """The server's /metrics samples by name, without the ``infinikv_`` prefix and the labels (the
+    largest, of a metric with several samples: replicas, outcomes)."""
+    numbers: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("infinikv_"):
+            name = name.removeprefix("infinikv_").partition("{")[0]
+            numbers[name] = max(numbers.get(name, float(value)), float(value))
+    return numbers
+
+
+def rss_limit(kv_memory: int, memory: int | None, weights: int) -> dict:
+    """What a server's peak RSS is checked against: ``--memory`` when given (the whole process),
+    else ``--kv-memory`` plus the model's size."""
+    if memory:
+        return {"rss_limit_bytes": memory, "rss_limit": "--memory"}
+    return {"rss_limit_bytes": kv_memory + weights, "rss_limit": "--kv-memory + the model"}
 
 
 def _wait_healthy(server: subprocess.Popen, base: str, log, timeout: float) -> None:

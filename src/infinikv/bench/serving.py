@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from ..errors import InfinikvError
-from .server import running_server
+from .server import rss_limit, running_server, server_numbers
 
 PROMPTS = [  # openings the bundled model continues for at least 32 tokens under greedy decoding
     "Once upon a time, a lighthouse keeper",
@@ -219,26 +219,6 @@ def documents(model: str, tokens: int, count: int) -> list[str]:
     if size < 1 or size * count > len(ids):
         raise InfinikvError(f"--prompt-tokens {tokens}: Emma holds {len(ids)} tokens, not {count} such documents")
     return [tokenizer.decode(ids[i * size : (i + 1) * size]) + question for i in range(count)]
-
-
-def server_numbers(base: str) -> dict[str, float]:
-    """The server's /metrics samples by name, without the ``infinikv_`` prefix and the labels (the
-    largest, of a metric with several samples: replicas, outcomes)."""
-    numbers: dict[str, float] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("infinikv_"):
-            name = name.removeprefix("infinikv_").partition("{")[0]
-            numbers[name] = max(numbers.get(name, float(value)), float(value))
-    return numbers
-
-
-def rss_limit(kv_memory: int, memory: int | None, weights: int) -> dict:
-    """What a server's peak RSS is checked against: ``--memory`` when given (the whole process),
-    else ``--kv-memory`` plus the model's size."""
-    if memory:
-        return {"rss_limit_bytes": memory, "rss_limit": "--memory"}
-    return {"rss_limit_bytes": kv_memory + weights, "rss_limit": "--kv-memory + the model"}
 
 
 def bench_serve(

@@ -20,8 +20,8 @@ import httpx
 import psutil
 
 from ..data import load_text
-from .server import running_server
-from .serving import RssSampler, model_bytes, percentile_ms, rss_limit, sse_chunks
+from .server import rss_limit, running_server
+from .serving import RssSampler, model_bytes, percentile_ms, sse_chunks
 
 
 def user_message(text: str, client: int, turn: int, turns: int, tokens: int) -> str:

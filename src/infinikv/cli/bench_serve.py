@@ -17,9 +17,11 @@ from .serve import add_serve_arguments, check
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ..serve.app import DEFAULT_KV_MEMORY
     from ..sizes import parse_bytes
 
-    kv_memory, cells = parse_bytes(args.kv_memory or "1GiB"), bench_policies(args)
+    kv_memory = parse_bytes(args.kv_memory) if args.kv_memory else DEFAULT_KV_MEMORY
+    cells = bench_policies(args)
     check(args)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
         raise InfinikvError("--clients, --requests and --max-tokens must be at least 1, --duration positive")

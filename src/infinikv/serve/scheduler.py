@@ -18,7 +18,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -30,15 +29,7 @@ from ..text import Detokenizer
 from .admission import REJECTED, Admission
 from .budget import ProcessBudget
 from .conversations import Conversation, Store, detach
-from .sequence import Sequence, ServeError, pick
-
-
-@dataclass
-class Group:
-    """Running sequences with the same policy spec: the rows of one batch, decoded together."""
-
-    batch: Batch
-    seqs: list[Sequence]
+from .sequence import Group, Sequence, ServeError, pick
 
 
 class Scheduler:

@@ -93,6 +93,14 @@ class Sequence:
             self.sent = end
 
 
+@dataclass
+class Group:
+    """Running sequences with the same policy spec: the rows of one batch, decoded together."""
+
+    batch: Batch
+    seqs: list[Sequence]
+
+
 def pick(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The next token of each row of ``logits`` (b, V), by its sequence's own sampling, on the
     device (b,): greedy rows in one ``argmax``, sampled rows with their own generators."""
