@@ -1,6 +1,7 @@
 # Two entry points: `make demo` and `make test`. Both set everything up first; re-running
 # them skips every step whose inputs did not change (venv, install, model, texts). The demo
-# installs only what it runs; the tests add the `dev` extra (pytest, ruff, Ray, lm-eval, openai, the docs' tools).
+# installs only what it runs; the tests add the `dev` extra (pytest, ruff, Ray, lm-eval, openai, Playwright, the docs' tools)
+# and Debian's Chromium.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -12,6 +13,9 @@ HOME_DIR := $(or $(INFINIKV_HOME),$(HOME)/.cache/infinikv)
 # A file's tests stay on one worker (--dist loadfile): tests/test_ray.py counts the Ray processes
 # of the whole machine, so its clusters must not overlap.
 TEST_WORKERS ?= 2
+# tests/test_page.py drives the server's chat page in Debian's Chromium (apt-get: root, else sudo).
+BROWSER := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: demo test docs setup setup-dev lint clean
 
@@ -42,7 +46,11 @@ $(HOME_DIR)/data/austen/all.txt: | $(STAMP)
 setup: $(STAMP) $(HOME_DIR)/models/smollm2-135m/config.json $(HOME_DIR)/data/austen/all.txt
 	$(BIN)/python -m infinikv.native
 
-setup-dev: setup $(DEV_STAMP)
+$(BROWSER):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+setup-dev: setup $(DEV_STAMP) $(BROWSER)
 
 # The demo's decode step is compiled once per machine (`prepare --compile`: a no-op once built).
 demo: setup

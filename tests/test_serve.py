@@ -67,6 +67,16 @@ def test_completion_and_chat(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_policies_lists_what_a_request_may_name(server):
+    listing = httpx.get(f"{server}/v1/policies", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    rows = {row["name"]: row for row in listing["data"]}
+    assert listing["default"] == {"policy": "full"} and rows["full"]["spec"] == listing["default"]
+    assert rows["infinigen"]["ready"] and rows["infinigen"]["spec"]["policy"] == "infinigen"  # --prepare infinigen
+    assert not rows["recall"]["ready"] and rows["recall"]["takes_budget"] and not rows["full"]["takes_budget"]
+    assert httpx.get(f"{server}/v1/policies", timeout=60).status_code == 401
+    assert httpx.get(f"{server}/", timeout=60).status_code == 200  # the chat page asks for the key itself
+
+
 def test_streaming_and_stop(client, server):
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     stream = client.completions.create(

@@ -14,12 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from ..core import Sampling
@@ -45,6 +47,8 @@ from .sequence import Event, Sequence, ServeError
 from .store import ConversationStore
 
 DEFAULT_KV_MEMORY = 2**30  # without --kv-memory or --memory
+PAGE = Path(__file__).parent / "page"  # the chat page's static files, served at / and /page/
+OPEN_PATHS = ("/health", "/")  # answered without an API key (with /page/: the page asks for the key)
 
 
 def create_app(
@@ -118,7 +122,8 @@ def create_app(
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         request.state.owner = ""
-        if api_keys and request.url.path != "/health":
+        path = request.url.path
+        if api_keys and path not in OPEN_PATHS and not path.startswith("/page/"):
             owner = key_owner(api_keys, request.headers.get("authorization", ""))
             if owner is None:
                 return error_response(
@@ -147,6 +152,17 @@ def create_app(
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(PAGE / "index.html")
+
+    app.mount("/page", StaticFiles(directory=PAGE), name="page")
+
+    @app.get("/v1/policies")
+    async def list_policies() -> dict:
+        """infinikv's own: the policies a request's ``kv`` may name, for the chat page."""
+        return {"object": "list", "default": default.spec(), "data": catalog.listing(default)}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -70,6 +70,27 @@ class PolicyCatalog:
                 raise ServeError(400, f"kv: {exc}", param="kv") from None
         return self.policies[key]
 
+    def listing(self, default: Policy) -> list[dict[str, Any]]:
+        """What a client may pick (the chat page, ``GET /v1/policies``): every registered policy with
+        the spec to send (the default's, or the one prepared at start), whether it takes a budget,
+        whether the server can run it now, and its docstring's first line."""
+        chosen = {p.name: p.spec() for p, _ in self.policies.values() if p.needs_preparation}
+        chosen[default.name] = default.spec()
+        return [
+            {
+                "name": name,
+                "spec": chosen.get(name, {"policy": name}),
+                "takes_budget": cls.takes_budget,
+                "ready": name in chosen or not cls.needs_preparation,
+                "summary": first_sentence(cls.__doc__ or ""),
+            }
+            for name, cls in sorted(REGISTRY.items())
+        ]
+
     def past_context(self) -> list[str]:
         """The policies that may run past the model's trained context with some option."""
         return [name for name, cls in sorted(REGISTRY.items()) if cls.past_trained_context]
+
+
+def first_sentence(doc: str) -> str:
+    return " ".join(doc.strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".") + "."
