@@ -29,6 +29,25 @@ def test_recall_equals_full_when_its_pool_fetches_everything(real, emma_ids):
 
 
 @torch.inference_mode()
+def test_a_prompt_is_read_as_full_reads_it_however_small_the_fast_tier(real, emma_ids):
+    """The prompt runs in chunks of the fast tier's capacity and each chunk attends to the pool
+    beside it: every position's logits are full's, not a window's; a step that fetches every
+    pooled token is full's too."""
+    model, _ = real
+    ids = emma_ids[:, :140]
+    full = Batch(model, make_policy("full"))
+    ours = Batch(model, recall(real, capacity=16, select="oracle", max_fetch=1.0))
+    expected, got = (batch.extend(ids[:, :120], keep_all=True) for batch in (full, ours))
+    assert got.shape == expected.shape and (expected - got).abs().max() < 1e-4
+    layer = ours.cache.layers[3]
+    assert layer.slots.held == [16] and layer.pool.held == [104]  # read in chunks of 16, the rest pooled
+    for i in range(120, 140):
+        assert (full.step(ids[:, i]) - ours.step(ids[:, i])).abs().max() < 1e-4
+    _, fractions = ours.cache.attended()
+    assert fractions[3] == pytest.approx(1.0)  # the steps' share: the prompt's reading is not counted
+
+
+@torch.inference_mode()
 def test_the_fast_tier_never_grows_and_nothing_is_lost(real, emma_ids):
     model, _ = real
     batch = Batch(model, recall(real, capacity=32, update_rule="heavy-hitter"))

@@ -143,6 +143,18 @@ class TwoTier:
         beside = torch.ones_like(visible[..., :1]) if beside is None else beside
         return torch.cat([visible, beside], -1)[:, :, None]
 
+    def visibility_beside(self, beside: torch.Tensor) -> torch.Tensor:
+        """Which fetched rows, and the rows beside them (``beside`` (b, h or 1, q, L) bool: each
+        query's own), each of ``q`` queries sees (b, h, q, k + L); every fetched row that counts
+        precedes them all."""
+        visible = self.fetched[1]
+        b, _, q, _ = beside.shape
+        if visible is None:
+            visible = torch.ones(b, 1, self.fetched[2], dtype=torch.bool, device=beside.device)
+        heads = max(visible.shape[1], beside.shape[1])
+        fetched = visible[:, :, None].expand(b, heads, q, -1)
+        return torch.cat([fetched, beside.expand(b, heads, q, -1)], -1)
+
     def fetched_positions(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions of the fetched rows (b, h, k), and which count."""
         rows, visible, count = self.fetched

@@ -233,6 +233,10 @@ class KVLayer(CacheLayerMixin):
         """Which of the ``length`` keys each query sees ``(b, h or 1, q or 1, L)``, or None for all."""
         if self.plan.fetch:
             return self.tiers.visibility()
+        return self.own_visibility(q, length)
+
+    def own_visibility(self, q: int, length: int) -> torch.Tensor | None:
+        """``visibility`` of this layer's own slots, whatever was fetched beside them."""
         heads = slice(0, 1) if self.uniform else slice(None)  # (b, 1, ...) broadcasts over the heads
         valid = self.slots.state["valid"][:, heads, :length]
         if q == 1:

@@ -3,9 +3,12 @@
 The fast tier is BCT's: ``slots`` allocated once for a capacity, kept within it by an
 ``Evictor`` with any rule. What its rule evicts is not dropped but *spilled* into the pool (slots
 on the slow tier, as InfiniGen keeps them), and each decode step attends to the whole fast tier
-plus the few pooled rows a ``Selection`` (InfiniGen's speculation) picks for it. The fast tier's
-K/V never grow; the pool keeps every token it was given. Keys keep the positions they were seen
-at (no renumbering: a pooled key must match the position its partial key was stored with).
+plus the few pooled rows a ``Selection`` (InfiniGen's speculation) picks for it. A prompt is read
+densely, as InfiniGen reads it: each prefill chunk attends to the whole pool beside the fast tier,
+so what the prompt's tokens compute (the question's, the needle's context) is ``full``'s, not a
+window's. The fast tier's K/V never grow; the pool keeps every token it was given. Keys keep the
+positions they were seen at (no renumbering: a pooled key must match the position its partial key
+was stored with).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class RecallLayer(KVLayer):
         self.tiers.room = self.plan.write.length
 
     def fetches(self, q: int) -> bool:
-        return q == 1 and self.pool_stored > 0
+        return self.pool_stored > 0  # a prefill chunk reads the whole pool
 
     def speculate(self, x: torch.Tensor, rope: Any, positions: torch.Tensor) -> None:
         if x.shape[1] != 1 or not self.pending or self.pool_stored == 0:
@@ -61,9 +64,10 @@ class RecallLayer(KVLayer):
         plan = self.plan
         self.is_initialized = True
         if plan.fetch:
-            if not self.tiers.started:  # nothing ran ahead of this layer: fetch the whole pool
+            if not self.tiers.started:  # a prefill chunk, or nothing ran ahead: fetch the whole pool
                 per_row = self.tiers.start(self.pool, None, None, self.pool_held, self.pool_stored, False)
-                self.stats.fetch(per_row, self.pool_held, self.seen, self.fast_attended)
+                if key_states.shape[2] == 1:  # a decode step's share attended (a prefill's is all)
+                    self.stats.fetch(per_row, self.pool_held, self.seen, self.fast_attended)
             self.tiers.wait(self.clock)
         where = self.slots.write(plan.write, key_states, value_states, self.positions, self.new_real)
         if key_states.shape[2] > 1:
@@ -77,14 +81,17 @@ class RecallLayer(KVLayer):
         plan, evictor = self.plan, self.evictor
         started = self.clock.start()
         fetched = self.tiers.fetched[2]
-        length = plan.write.length
-        visible = self.tiers.visibility(self.slots.state["valid"][:, :, :length])
+        length, q = plan.write.length, query.shape[2]
+        if q == 1:
+            visible = self.tiers.visibility(self.slots.state["valid"][:, :, :length])
+        else:  # a prefill chunk: every pooled token, and the fast tier causally
+            visible = self.tiers.visibility_beside(self.own_visibility(q, length))
         bias = evictor.bias(self.slots, length)
         if bias is not None:
             bias = torch.nn.functional.pad(bias, (fetched, 0))
         if evictor.observes:  # the fast tier's rule sees the attention its own slots got
             out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, False, evictor.watched)
-            evictor.observe(self.slots, mass[..., fetched:], last[..., fetched:], 1)
+            evictor.observe(self.slots, mass[..., fetched:], last[..., fetched:], q)
         else:
             out = attention.masked(query, key, value, visible, bias, scaling)
         if self.observer is not None:
