@@ -73,7 +73,7 @@ class PolicyCatalog:
     def listing(self, default: Policy) -> list[dict[str, Any]]:
         """What a client may pick (the chat page, ``GET /v1/policies``): every registered policy with
         the spec to send (the default's, or the one prepared at start), whether it takes a budget,
-        whether the server can run it now, and its docstring's first line."""
+        whether the server can run it now, and the first sentence of its docstring."""
         chosen = {p.name: p.spec() for p, _ in self.policies.values() if p.needs_preparation}
         chosen[default.name] = default.spec()
         return [
@@ -93,4 +93,5 @@ class PolicyCatalog:
 
 
 def first_sentence(doc: str) -> str:
+    """A docstring's first sentence on one line: a policy's summary for a client."""
     return " ".join(doc.strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".") + "."
