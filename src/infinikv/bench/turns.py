@@ -84,27 +84,33 @@ class Chats:
     completed: int = 0  # turns answered whole
 
 
+async def ask(client: httpx.AsyncClient, url: str, body: dict, chats: Chats, survive: float) -> dict:
+    """One turn answered whole: 429s waited out as told, and while the server is down (connections
+    fail) the turn sent again every half second for up to ``survive`` seconds. The window opens at
+    the first failure, not when the turn was first sent: a turn may wait out 429s for longer than
+    ``survive`` before a kill."""
+    down_since = None
+    while True:
+        try:
+            return await one_turn(client, url, body)
+        except Busy as wait:  # documented back-pressure, not an error; the server is up
+            chats.busy += 1
+            down_since = None
+            await asyncio.sleep(wait.seconds)
+        except httpx.TransportError:
+            down_since = down_since or time.monotonic()
+            if time.monotonic() - down_since >= survive:
+                raise
+            chats.interrupted += 1
+            await asyncio.sleep(0.5)
+
+
 async def converse(base: str, model: str, load: ChatLoad, chats: Chats | None = None, survive: float = 0) -> Chats:
-    """Every client's conversation, concurrently, into ``chats``. With ``survive`` a turn whose
-    connection fails (the server is down) is sent again every half second for that many seconds."""
+    """Every client's conversation, concurrently, into ``chats``; ``survive``: how long a turn is sent
+    again while its connection fails (``ask``)."""
     text = load_text("austen:emma", from_chapter_one=True)
     chats = chats or Chats([[] for _ in range(load.turns)])
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=load.clients + 1)) as client:
-
-        async def ask(body: dict) -> dict:
-            """One turn answered whole: 429s waited out, lost connections retried within ``survive``."""
-            give_up = time.monotonic() + survive
-            while True:
-                try:
-                    return await one_turn(client, f"{base}/v1/chat/completions", body)
-                except Busy as wait:  # documented back-pressure, not an error: wait as told
-                    chats.busy += 1
-                    await asyncio.sleep(wait.seconds)
-                except httpx.TransportError:
-                    if time.monotonic() > give_up:
-                        raise
-                    chats.interrupted += 1
-                    await asyncio.sleep(0.5)
 
         async def conversation(index: int) -> None:
             messages: list[dict] = []
@@ -114,7 +120,7 @@ async def converse(base: str, model: str, load: ChatLoad, chats: Chats | None = 
                 body = {"model": model, "messages": messages, "max_tokens": load.max_tokens, "temperature": 0}
                 body |= {"stream": True, "stream_options": {"include_usage": True}}
                 try:
-                    answer = await ask(body)
+                    answer = await ask(client, f"{base}/v1/chat/completions", body, chats, survive)
                 except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
                     chats.errors.append(f"client {index} turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
                     return
