@@ -34,6 +34,35 @@ def test_padded_chunked_batches_match_full(tiny, name):
     assert (ours - reference).abs().max() < (0.005 if name == "quant" else 1e-5)
 
 
+SHARERS = {"full", "infinigen", "offload"}  # their caches hold a prompt's K/V as full's
+
+
+@pytest.mark.parametrize("name", ALL)
+@torch.inference_mode()
+def test_a_prompt_read_once_serves_every_cache_that_reads_it_as_full(tiny, name):
+    """Padded prompts read by ``full``: a cache that reads prompts as ``full`` does takes their K/V
+    and decodes exactly as after reading them itself (every logit equal); any other reads its own."""
+    prompts, steps = [list(range(1, 30)), list(range(40, 51))], [7, 8, 9, 10]
+    reads = {}
+    _, took = Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)
+    assert not took and len(reads) == 1
+    policy = prepared(make_policy(name, capacity=16) if REGISTRY[name].takes_budget else make_policy(name), tiny)
+    own, shared = Batch(tiny, policy), Batch(tiny, policy)
+    logits, took = shared.prefill_shared(prompts, 0, reads)
+    assert took == (name in SHARERS) == shared.cache.reads_as_full
+    for token in steps:
+        logits = torch.cat([logits, shared.step(torch.full((2,), token))])
+    assert torch.equal(run(own, prompts, steps), logits.view(len(steps) + 1, 2, -1))
+
+
+def test_a_prompt_read_in_other_chunks_is_read_again(tiny):
+    """K/V computed in other chunks differ in rounding: a cache reading in its own chunks reads."""
+    prompts, reads = [list(range(1, 30))], {}
+    Batch(tiny, make_policy("full", prefill_chunk=8)).prefill_shared(prompts, 0, reads)
+    assert Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)[1] is False
+    assert Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)[1] is True
+
+
 STEADY = [("full", {}), ("sink", {"capacity": 48}), ("h2o", {"capacity": 48}), ("bct", {"capacity": 48})]
 STEADY += [("bct", {"capacity": 48, "positions": "rank"}), ("quant", {}), ("sink", {"budget": 0.3})]
 

@@ -61,6 +61,19 @@ def test_a_grid_appends_one_row_per_cell_and_resumes(capsys, tmp_path, tiny_fold
     assert len(cells) == 12
 
 
+def test_the_policies_that_read_a_prompt_as_full_does_read_it_once(capsys, tmp_path, tiny_folder):
+    """``offload`` takes the K/V ``full`` read for each batch of the same prompts, and answers as
+    ``full``; ``sink`` (it evicts while reading) reads its own."""
+    out = tmp_path / "ruler.jsonl"
+    argv = ["--model", str(tiny_folder), "--lengths", "400", "--samples", "3", "--batch-size", "2"]
+    argv += ["--tasks", "niah_single_1", "--policies", "full,offload,sink", "--budgets", "0.5", "--out", str(out)]
+    code, _, err = ruler_cli(capsys, *argv, "--quiet")
+    assert code == 0, err
+    rows = rows_of(out)
+    assert {r["label"]: r["prompts_taken"] for r in rows} == {"full": 0, "offload": 2, "sink": 0}
+    assert [o["output"] for o in rows[1]["outputs"]] == [o["output"] for o in rows[0]["outputs"]]
+
+
 def test_limit_minutes_keeps_the_rows_so_far_and_resumes(capsys, tmp_path, tiny_folder):
     """Once the limit is spent no new cell starts: the rows that landed are kept and printed, and
     the same command without the limit runs only the rest."""

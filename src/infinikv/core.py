@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,19 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
         ids[row, width - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
         real[row, width - len(seq) :] = True
     return ids, real
+
+
+@dataclass(frozen=True)
+class PromptRead:
+    """Prompts as a cache that ``reads_as_full`` read them, in ``chunk``-token forwards: each
+    layer's K/V (b, h, n, d) and each row's next-token logits (b, V)."""
+
+    chunk: int | None
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+
+
+Reads = dict[tuple[tuple[int, ...], ...], PromptRead]  # by the prompts read
 
 
 class Batch:
@@ -93,6 +107,33 @@ class Batch:
         self.prompt_read()
         return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
 
+    @torch.inference_mode()
+    def prefill_shared(self, prompts: Sequence[Sequence[int]], pad_id: int, reads: Reads) -> tuple[torch.Tensor, bool]:
+        """``prefill``, reading ``prompts`` once for every cache that ``reads_as_full`` (``full``,
+        ``infinigen``, ``offload``: their prompts' K/V are the same): the first such cache to read
+        them leaves its K/V in ``reads``, and the next takes them there instead of running the
+        model over the prompts again. Any other cache reads its own. Returns the logits and
+        whether the K/V were taken from ``reads``."""
+        if not self.cache.reads_as_full:
+            return self.prefill(prompts, pad_id), False
+        chunk = self.policy.prefill_chunk(self.model, max(len(p) for p in prompts))
+        key = tuple(tuple(p) for p in prompts)
+        read = reads.get(key)
+        if read is None or read.chunk != chunk:  # read in other chunks, the K/V differ in rounding
+            logits = self.prefill(prompts, pad_id, chunk)
+            reads[key] = PromptRead(chunk, self.cache.prompt_kv(), logits)
+            return logits, False
+        ids, real = left_pad(prompts, pad_id)
+        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        self.expect(prompts)
+        self.cache.begin(ids.shape[1], *self._place(ids.shape[1], real))
+        try:
+            self.cache.take([(k.to(self.device), v.to(self.device)) for k, v in read.kv])
+        finally:
+            self.cache.end()
+        self.prompt_read()
+        return read.logits.clone(), True
+
     def expect(self, prompts: Sequence[Sequence[int]]) -> None:
         """Before a prompt's first chunk (a caller feeding it itself calls this, then ``prompt_read``
         after its last): its length, and where a rule asks, its second reading (``rereading``)."""
@@ -141,14 +182,7 @@ class Batch:
         b, q = ids.shape
         if self.rows == 0:
             self.next_position = torch.zeros(b, dtype=torch.long, device=self.device)
-        if real is None or bool(real.all()):
-            counts, new_real = [q] * b, None
-            positions = self.next_position[:, None] + torch.arange(q, device=self.device)
-        else:
-            counts = real.sum(-1).tolist()  # a CPU tensor: no device read
-            new_real = real.to(self.device)
-            positions = self.next_position[:, None] + (new_real.cumsum(-1) - 1).clamp(min=0)
-        self.next_position = self.next_position + torch.tensor(counts, device=self.device)
+        positions, new_real, counts = self._place(q, real)
         self.cache.begin(q, positions, new_real, counts)
         try:
             out = self.model(
@@ -162,6 +196,21 @@ class Batch:
         finally:
             self.cache.end()
         return out.logits if keep_all else out.logits[:, -1]
+
+    def _place(self, q: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """The positions (b, q), which are real (None: all) and how many per row of the next ``q``
+        tokens of each row (what ``KVCache.begin`` takes), ``real`` (b, q) on the CPU marking
+        those that are not padding (None: all are); the rows move past them."""
+        b = self.rows
+        if real is None or bool(real.all()):
+            counts, new_real = [q] * b, None
+            positions = self.next_position[:, None] + torch.arange(q, device=self.device)
+        else:
+            counts = real.sum(-1).tolist()  # a CPU tensor: no device read
+            new_real = real.to(self.device)
+            positions = self.next_position[:, None] + (new_real.cumsum(-1) - 1).clamp(min=0)
+        self.next_position = self.next_position + torch.tensor(counts, device=self.device)
+        return positions, new_real, counts
 
     def _mask(self, b: int) -> torch.Tensor:
         """A 4-D mask handed to the model so that transformers builds none: infinikv's attention

@@ -118,6 +118,7 @@ class Worker:
         self.name, self.weights, self.progress = model, weights, progress
         self.model, self.tokenizer = loaded or models.load_model(model, device=device, weights=weights)
         self.inputs: dict[tuple, Any] = {}
+        self._reads: tuple[tuple, dict] = ((), {})  # one set of inputs and its prompts' readings
 
     def run(self, cell: Cell) -> dict:
         from .policies import parse_spec
@@ -135,6 +136,14 @@ class Worker:
         if key not in self.inputs:
             self.inputs[key] = make()
         return self.inputs[key]
+
+    def reads(self, key: tuple) -> dict:
+        """The prompt readings the cells of inputs ``key`` share (``Batch.prefill_shared``). Cells
+        run input by input (every policy of a task in turn), so one set is kept, as much K/V as
+        ``full`` holds for all its prompts; a cell of other inputs drops it."""
+        if self._reads[0] != key:
+            self._reads = (key, {})
+        return self._reads[1]
 
     def text(self, name: str, from_chapter_one: bool = True) -> str:
         from . import data
@@ -170,12 +179,13 @@ def _ruler(worker: Worker, policy, task: str, length: int, samples: int, seed: i
         trained = getattr(worker.model.config, "max_position_embeddings", None)
         return ruler.generate(task, worker.tokenizer, haystack, length, samples, seed, max_context=trained)
 
-    prompts = worker.cached(("RULER", task, length, samples, seed, text), generate)
+    key = ("RULER", task, length, samples, seed, text)
+    prompts = worker.cached(key, generate)
     stop_ids = sorted(end_of_sequence_ids(worker.model, worker.tokenizer))
     with tqdm(
         total=samples, desc=f"{task} {policy.label()}", unit="sample", disable=not worker.progress, leave=False
     ) as bar:
-        return run_cell(worker.model, worker.tokenizer, prompts, policy, stop_ids, batch_size, bar)
+        return run_cell(worker.model, worker.tokenizer, prompts, policy, stop_ids, batch_size, bar, worker.reads(key))
 
 
 def _followup(
@@ -192,7 +202,7 @@ def _followup(
     with tqdm(
         total=samples, desc=f"follow-up {policy.label()}", unit="chat", disable=not worker.progress, leave=False
     ) as bar:
-        return run_followup(worker.model, worker.tokenizer, chats, policy, stop_ids, batch_size, bar)
+        return run_followup(worker.model, worker.tokenizer, chats, policy, stop_ids, batch_size, bar, worker.reads(key))
 
 
 def _stream(worker: Worker, policy, text: str, tokens: int, chunk: int, window: int) -> dict:

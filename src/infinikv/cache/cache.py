@@ -45,6 +45,21 @@ class KVCache(Cache):
             layer = self.layers[i]
             layer.evictor.rule.given(layer.slots, None if tables is None else tables[i], lengths)
 
+    @property
+    def reads_as_full(self) -> bool:
+        """Every layer holds a prompt's K/V as ``full`` computes them (``KVLayer.reads_as_full``)."""
+        return all(layer.reads_as_full for layer in self.layers)
+
+    def prompt_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K/V of the tokens read so far, copied, (b, h, n, d) in the order they came
+        (nothing was dropped: ``reads_as_full``): what ``take`` gives another such cache."""
+        return [tuple(t.clone() for t in layer.slots.view(layer.slots.n)) for layer in self.layers]
+
+    def take(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The planned forward's K/V, one (keys, values) per layer, computed elsewhere (``prompt_kv``)."""
+        for layer, (keys, values) in zip(self.layers, kv, strict=True):
+            layer.take(keys, values)
+
     def begin(self, q: int, positions: torch.Tensor, new_real: torch.Tensor | None, real: list[int]) -> None:
         """Plan the next forward of every layer (see ``KVLayer.begin``)."""
         for layer in self.layers:

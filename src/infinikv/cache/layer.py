@@ -181,6 +181,20 @@ class KVLayer(CacheLayerMixin):
             return self.tiers.with_new(key_states, value_states)
         return self.slots.view(plan.write.length)
 
+    @property
+    def reads_as_full(self) -> bool:
+        """A prompt's K/V here are ``full``'s: it attends to every token it stored, exactly, and
+        drops none, so K/V another such layer computed for the same prompt can be ``take``n."""
+        return self.evictor is None and self.slots.exact
+
+    def take(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store this forward's K/V (b, h, q, d) as computed by a layer that ``reads_as_full``,
+        without attending: the model need not run again for a prompt read once."""
+        self.update(key_states, value_states)
+        if self.tiers:
+            self.tiers.done()
+        self.pending = False
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 

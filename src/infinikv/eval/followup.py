@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from ..core import Batch, Sampling, left_pad, sample
+from ..core import Batch, Reads, Sampling, left_pad, sample
 from ..errors import InfinikvError
 from ..policies import Policy
 from .ruler.builders import niah_keys, split_template
@@ -90,11 +90,15 @@ def run_followup(
     stop_ids: Sequence[int],
     batch_size: int = 4,
     bar: tqdm | None = None,
+    reads: Reads | None = None,
 ) -> dict:
     """Greedy answers to every question of ``chats`` under ``policy``, ``batch_size`` conversations
     per batch, each answer fed back before the next question. The row has, per question index,
     the accuracy (``string_match_all``, in [0, 1]), the K/V held per conversation after the answer
-    (bytes) and the share of the tokens seen that its decode steps attended (mean over steps)."""
+    (bytes) and the share of the tokens seen that its decode steps attended (mean over steps).
+    ``reads``: first prompts read by an earlier cell, shared as ``ruler_run.run_cell`` shares them."""
+    reads = {} if reads is None else reads
+    taken = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()
     turns = len(chats[0].turns)
@@ -105,7 +109,8 @@ def run_followup(
     for first in range(0, len(chats), batch_size):
         group = chats[first : first + batch_size]
         batch = Batch(model, policy, max_length=longest + 8)
-        logits = batch.prefill([c.turns[0] for c in group], pad_id)
+        logits, took = batch.prefill_shared([c.turns[0] for c in group], pad_id, reads)
+        taken += took
         for turn in range(turns):
             answers = sample(batch, logits, Sampling(max_new_tokens=ANSWER_TOKENS), stop_ids, pad_id)
             outputs[turn] += [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
@@ -123,6 +128,7 @@ def run_followup(
         "held_bytes": [statistics.fmean(h) for h in held],
         "attended_fraction": [statistics.fmean(a) for a in attended],
         "seconds": round(time.perf_counter() - start, 2),
+        "prompts_taken": taken,
         "outputs": [
             {"index": c.index, "answers": c.answers, "outputs": [o[i] for o in outputs]} for i, c in enumerate(chats)
         ],

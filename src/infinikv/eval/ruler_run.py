@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from ..core import Batch, Sampling, sample
+from ..core import Batch, Reads, Sampling, sample
 from ..policies import Policy
 from .ruler import Sample, score
 from .trace import NeedleTrace
@@ -28,10 +28,15 @@ def run_cell(
     stop_ids: Sequence[int],
     batch_size: int = 4,
     bar: tqdm | None = None,
+    reads: Reads | None = None,
 ) -> dict:
     """Greedy answers to ``samples`` (one task and length) under ``policy``, ``batch_size`` prompts
     per batch; the row has the accuracy (mean score in [0, 1]), every sample's output, and where
-    the samples hide needles, the share of them each layer attended (``trace.NeedleTrace``)."""
+    the samples hide needles, the share of them each layer attended (``trace.NeedleTrace``).
+    ``reads``: prompts read by an earlier cell, shared (``Batch.prefill_shared``); the row counts
+    in ``prompts_taken`` the batches that took theirs there, whose reading its ``seconds`` omit."""
+    reads = {} if reads is None else reads
+    taken = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()
     outputs: list[str] = []
@@ -43,7 +48,8 @@ def run_cell(
         batch = Batch(model, policy, max_length=group[0].length + new_tokens)
         if group[0].spans:
             trace.watch(batch.cache, [s.spans for s in group], group[0].length + new_tokens, batch.device)
-        logits = batch.prefill([s.prompt_ids for s in group], pad_id)
+        logits, took = batch.prefill_shared([s.prompt_ids for s in group], pad_id, reads)
+        taken += took
         tokens = sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids, pad_id)
         trace.detach()
         outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
@@ -60,6 +66,7 @@ def run_cell(
         "samples": len(samples),
         "attended_fraction": statistics.fmean(attended),
         "seconds": round(time.perf_counter() - start, 2),
+        "prompts_taken": taken,
         **trace.result(),
         "outputs": [
             {"index": s.index, "depths": s.depths, "answers": s.answers, "output": o, "score": score([s], [o])}

@@ -81,6 +81,8 @@ class QuantSlots(Slots):
     """Slots whose ``keys``/``values`` hold packed integers (uint8), with each group's scale and
     minimum as per-slot state, so a slot's scales move with it like any other state."""
 
+    exact = False
+
     def __init__(self, bits: int, head_dim: int, dtype: torch.dtype, scratch: Scratch) -> None:
         super().__init__()
         self.bits, self.scratch = bits, scratch

@@ -16,6 +16,7 @@ waits for the device to say where a token goes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -57,6 +58,8 @@ class Slots:
     geometrically. ``static``: attention always reads all ``size`` slots, so every tensor shape is
     fixed from step to step, which is what a compiled decode step needs.
     """
+
+    exact: ClassVar[bool] = True  # attention reads back the K/V written, bit for bit
 
     def __init__(self, size: int | None = None, static: bool = False, home: torch.device | str | None = None) -> None:
         if static and size is None:
