@@ -7,6 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from infinikv import Batch, make_policy
 from infinikv.core import Sampling, sample, step_together
+from infinikv.eval.prompt_reads import prefill_shared
 from infinikv.policies import REGISTRY
 from infinikv.text import Detokenizer
 from test_policies import ALL, prepared, whole
@@ -44,11 +45,11 @@ def test_a_prompt_read_once_serves_every_cache_that_reads_it_as_full(tiny, name)
     and decodes exactly as after reading them itself (every logit equal); any other reads its own."""
     prompts, steps = [list(range(1, 30)), list(range(40, 51))], [7, 8, 9, 10]
     reads = {}
-    _, took = Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)
+    _, took = prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)
     assert not took and len(reads) == 1
     policy = prepared(make_policy(name, capacity=16) if REGISTRY[name].takes_budget else make_policy(name), tiny)
     own, shared = Batch(tiny, policy), Batch(tiny, policy)
-    logits, took = shared.prefill_shared(prompts, 0, reads)
+    logits, took = prefill_shared(shared, prompts, 0, reads)
     assert took == (name in SHARERS) == shared.cache.reads_as_full
     for token in steps:
         logits = torch.cat([logits, shared.step(torch.full((2,), token))])
@@ -58,9 +59,9 @@ def test_a_prompt_read_once_serves_every_cache_that_reads_it_as_full(tiny, name)
 def test_a_prompt_read_in_other_chunks_is_read_again(tiny):
     """K/V computed in other chunks differ in rounding: a cache reading in its own chunks reads."""
     prompts, reads = [list(range(1, 30))], {}
-    Batch(tiny, make_policy("full", prefill_chunk=8)).prefill_shared(prompts, 0, reads)
-    assert Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)[1] is False
-    assert Batch(tiny, make_policy("full")).prefill_shared(prompts, 0, reads)[1] is True
+    prefill_shared(Batch(tiny, make_policy("full", prefill_chunk=8)), prompts, 0, reads)
+    assert prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)[1] is False
+    assert prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)[1] is True
 
 
 STEADY = [("full", {}), ("sink", {"capacity": 48}), ("h2o", {"capacity": 48}), ("bct", {"capacity": 48})]

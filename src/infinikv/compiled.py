@@ -223,7 +223,10 @@ def step_for(model: torch.nn.Module, policy: Policy, args: tuple) -> Callable:
     inputs pass, from this process, from disk, or compiled now and saved. A key may hold several
     variants, one per plan its steps took (``bct`` past the trained context renumbers keys: a
     second one)."""
-    if args[2].device.type == "cuda":
+    if args[2].device.type == "cuda":  # CUDA graphs replay fixed addresses: the storage never moves
+        for layer in args[1].layers:
+            for t in layer.slots.tensors():
+                torch._dynamo.mark_static_address(t)
         return _cuda_step(model)
     key = step_key(model, policy, args[2].shape[0])
     loaded = _LOADED.setdefault(key, [])

@@ -1,25 +1,22 @@
 """The decode core: the one place where a model runs over an infinikv cache.
 
-A ``Batch`` is a set of sequences (rows) that decode together under one policy's cache. It
-prefills prompts (left-padded, optionally in chunks), feeds chunks of known tokens (teacher
-forcing, streams), and runs decode steps, sampled or teacher-forced. ``step_together`` runs one
-decode step for several batches in one forward (the server's continuous batching), and
-``sample`` is the generation loop with per-sequence stop. Every caller (``generate``, the
-server, every evaluation, ``bench speed``) goes through here.
+A ``Batch`` is a set of rows decoding together under one policy's cache: it prefills prompts
+(left-padded, in chunks), feeds known tokens (teacher forcing, streams) and runs decode steps;
+``step_together`` runs one step of several batches in one forward (the server's continuous
+batching) and ``sample`` is the generation loop. Every caller (``generate``, the server, every
+evaluation, ``bench speed``) goes through here.
 
 Before each forward the core tells the cache what is coming (``KVCache.begin``: tokens per row,
-which are padding, their positions), so the cache plans on the host from counts it keeps there,
-and a steady decode step makes no device-to-host synchronisation (a two-tier cache's copies
-too are sized on the host; see ``cache.fetch``). With ``compile=True`` the
+which are padding, their positions), so the cache plans on the host from counts it keeps there
+and a steady decode step makes no device-to-host synchronisation. With ``compile=True`` the
 decode step of a cache whose shapes are static (``policy.compilable``) runs compiled
-(``infinikv.compiled``: built once per machine and loaded from disk); prefill always runs eagerly.
+(``infinikv.compiled``: built once per machine, then loaded from disk); prefill runs eagerly.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +25,7 @@ from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy, reference
 from .rereading import observer, score_tables
-from .sampling import Sampling, next_tokens
+from .sampling import Sampling, next_tokens, until_stop
 from .sizes import model_device
 
 
@@ -41,19 +38,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
         ids[row, width - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
         real[row, width - len(seq) :] = True
     return ids, real
-
-
-@dataclass(frozen=True)
-class PromptRead:
-    """Prompts as a cache that ``reads_as_full`` read them, in ``chunk``-token forwards: each
-    layer's K/V (b, h, n, d) and each row's next-token logits (b, V)."""
-
-    chunk: int | None
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    logits: torch.Tensor
-
-
-Reads = dict[tuple[tuple[int, ...], ...], PromptRead]  # by the prompts read
 
 
 class Batch:
@@ -94,45 +78,31 @@ class Batch:
         """Feed ``prompts`` (one token list per row, left-padded), ``chunk`` tokens per forward
         (None: the policy's choice, ``Policy.prefill_chunk``). Returns each row's next-token logits
         (b, V), or with ``keep_all`` the logits of every position (b, n, V)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise InfinikvError("the prompt is empty")
-        ids, real = left_pad(prompts, pad_id)
-        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        self.expect(prompts)
-        chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
-        outputs = []
-        for start in range(0, ids.shape[1], chunk):
-            piece, mask = ids[:, start : start + chunk], real[:, start : start + chunk]
-            outputs.append(self.feed(piece.to(self.device), mask, keep_all=keep_all))
-        self.prompt_read()
-        return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
+        return self._read(*self._start(prompts, pad_id), chunk, keep_all)
 
     @torch.inference_mode()
-    def prefill_shared(self, prompts: Sequence[Sequence[int]], pad_id: int, reads: Reads) -> tuple[torch.Tensor, bool]:
-        """``prefill``, reading ``prompts`` once for every cache that ``reads_as_full`` (``full``,
-        ``infinigen``, ``offload``: their prompts' K/V are the same): the first such cache to read
-        them leaves its K/V in ``reads``, and the next takes them there instead of running the
-        model over the prompts again. Any other cache reads its own. Returns the logits and
-        whether the K/V were taken from ``reads``."""
-        if not self.cache.reads_as_full:
-            return self.prefill(prompts, pad_id), False
-        chunk = self.policy.prefill_chunk(self.model, max(len(p) for p in prompts))
-        key = tuple(tuple(p) for p in prompts)
-        read = reads.get(key)
-        if read is None or read.chunk != chunk:  # read in other chunks, the K/V differ in rounding
-            logits = self.prefill(prompts, pad_id, chunk)
-            reads[key] = PromptRead(chunk, self.cache.prompt_kv(), logits)
-            return logits, False
-        ids, real = left_pad(prompts, pad_id)
-        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        self.expect(prompts)
+    def prefill_from(
+        self, prompts: Sequence[Sequence[int]], pad_id: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """``prefill`` without a forward: ``kv``, each layer's K/V of ``prompts`` (b, h, n, d) as a
+        cache that ``reads_as_full`` computed them in this policy's chunks (``KVCache.prompt_kv``),
+        is stored as reading them would store it; the caller keeps the logits of that reading."""
+        ids, real = self._start(prompts, pad_id)
         self.cache.begin(ids.shape[1], *self._place(ids.shape[1], real))
         try:
-            self.cache.take([(k.to(self.device), v.to(self.device)) for k, v in read.kv])
+            self.cache.take([(k.to(self.device), v.to(self.device)) for k, v in kv])
         finally:
             self.cache.end()
         self.prompt_read()
-        return read.logits.clone(), True
+
+    def _start(self, prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's first forward comes next: its rows start at position 0, the cache learns their
+        lengths. Returns them left-padded, ``(ids, real)`` (b, n) on the CPU."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InfinikvError("the prompt is empty")
+        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        self.expect(prompts)
+        return left_pad(prompts, pad_id)
 
     def expect(self, prompts: Sequence[Sequence[int]]) -> None:
         """Before a prompt's first chunk (a caller feeding it itself calls this, then ``prompt_read``
@@ -166,11 +136,16 @@ class Batch:
         position's (b, n, V) with ``keep_all``."""
         if self.rows == 0:  # a prompt: a budget fraction is of all of it, however it is cut
             self.expect(ids.tolist())
+        return self._read(ids, None, chunk, keep_all)
+
+    def _read(self, ids: torch.Tensor, real: torch.Tensor | None, chunk: int | None, keep_all: bool) -> torch.Tensor:
+        """Feed ``ids`` (b, n), ``real`` (b, n) marking what is not padding (None: all), in forwards
+        of ``chunk`` tokens (None: the policy's choice); the logits ``prefill`` returns."""
         chunk = chunk or self.policy.prefill_chunk(self.model, ids.shape[1])
-        outputs = [
-            self.feed(ids[:, start : start + chunk].to(self.device), keep_all=keep_all)
-            for start in range(0, ids.shape[1], chunk)
-        ]
+        outputs = []
+        for at in range(0, ids.shape[1], chunk):
+            mask = None if real is None else real[:, at : at + chunk]
+            outputs.append(self.feed(ids[:, at : at + chunk].to(self.device), mask, keep_all))
         self.prompt_read()
         return torch.cat(outputs, dim=1) if keep_all else outputs[-1]
 
@@ -239,10 +214,6 @@ class Batch:
             args = (self.model, self.cache, ids, positions, mask)
             shape = self.cache.signature()  # what the host planned: a new plan may need another compiled step
             if self.compiled is None or shape != self._signature:
-                if self.device.type == "cuda":  # CUDA graphs replay fixed addresses: the storage never moves
-                    for layer in self.cache.layers:
-                        for t in layer.slots.tensors():
-                            torch._dynamo.mark_static_address(t)
                 started = time.perf_counter()
                 self.compiled, self._signature = compiled.step_for(self.model, self.policy, args), shape
                 self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
@@ -271,21 +242,15 @@ def step_together(batches: list[Batch], tokens: list[torch.Tensor]) -> list[torc
     run over every row at once, attention per batch. Returns each batch's logits (b_i, V)."""
     if len(batches) == 1:
         return [batches[0].step(tokens[0])]
-    model, device = batches[0].model, batches[0].device
+    model = batches[0].model
     ids = torch.cat(tokens)[:, None]
     positions = torch.cat([b.next_position for b in batches])[:, None]
     for batch, rows in zip(batches, row_slices([b.rows for b in batches]), strict=True):
         batch.cache.begin(1, positions[rows], None, [1] * batch.rows)
         batch.next_position = batch.next_position + 1
-    mask = torch.ones(ids.shape[0], 1, 1, 1, dtype=torch.bool, device=device)
+    mask, cache = batches[0]._mask(ids.shape[0]), GroupedCache([b.cache for b in batches])
     try:
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            cache=GroupedCache([b.cache for b in batches]),
-            attention_mask=mask,
-            use_cache=True,
-        )
+        out = model(input_ids=ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True)
     finally:
         for batch in batches:
             batch.cache.end()
@@ -331,13 +296,4 @@ def sample(
         if steps == sampling.max_new_tokens:
             break
         logits = batch.step(token)
-    out = []
-    stop_set = set(stop_ids)
-    for row in generated[:, :steps].tolist():
-        tokens = []
-        for t in row:
-            if t in stop_set:
-                break
-            tokens.append(t)
-        out.append(tokens)
-    return out
+    return [until_stop(row, stop_ids) for row in generated[:, :steps].tolist()]

@@ -138,7 +138,7 @@ class Worker:
         return self.inputs[key]
 
     def reads(self, key: tuple) -> dict:
-        """The prompt readings the cells of inputs ``key`` share (``Batch.prefill_shared``). Cells
+        """The prompt readings the cells of inputs ``key`` share (``eval.prompt_reads``). Cells
         run input by input (every policy of a task in turn), so one set is kept, as much K/V as
         ``full`` holds for all its prompts; a cell of other inputs drops it."""
         if self._reads[0] != key:

@@ -3,6 +3,7 @@ top-p (the decode core's ``sample`` loop calls it once per step for every row at
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,3 +42,9 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p  # keeps the top token always
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def until_stop(tokens: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """``tokens`` up to, not including, the first stop id."""
+    stops = set(stop_ids)
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)

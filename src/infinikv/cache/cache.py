@@ -87,7 +87,7 @@ class KVCache(Cache):
         chooses from its own input) choose and fetch its rows."""
         layer = self.layers[layer_idx]
         if not self.stepping:
-            layer.begin_from_mask(x.shape[0], x.shape[1], attention_mask, position_ids, x.device)
+            _begin_from_mask(layer, x, attention_mask, position_ids)
         following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
         for reader, ahead in ((layer, False), (following, True)):
             if reader is not None and reader.tiers and reader.tiers.ahead == ahead:
@@ -163,3 +163,22 @@ class KVCache(Cache):
             "tokens_fetched_per_step": sum(tokens),
             "bytes_moved_per_step": moved,
         }
+
+
+def _begin_from_mask(
+    layer: KVLayer, x: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> None:
+    """``layer.begin`` for a forward of ``x`` (b, q, D) the decode core did not plan (e.g.
+    ``model.generate``): which new tokens are real comes from the mask transformers built (this
+    reads the device)."""
+    b, q = x.shape[:2]
+    new_real = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
+        # a token sees itself unless it is padding (the last row would miss the tokens a
+        # sliding window hides from it)
+        row = attention_mask[:, 0, -q:, -q:].diagonal(dim1=-2, dim2=-1)
+        new_real = None if bool(row.all()) else row
+    if position_ids is None:
+        position_ids = torch.arange(layer.cumulative_length, layer.cumulative_length + q, device=x.device)[None]
+    real = [q] * b if new_real is None else new_real.sum(-1).tolist()
+    layer.begin(q, position_ids.expand(b, q), new_real, real)

@@ -135,28 +135,6 @@ class KVLayer(CacheLayerMixin):
         step of two tiers, once something is stored."""
         return self.tiers is not None and q == 1 and self.stored > 0
 
-    def begin_from_mask(
-        self,
-        b: int,
-        q: int,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        device: torch.device,
-    ) -> None:
-        """``begin`` for a forward the decode core did not plan (e.g. ``model.generate``): which new
-        tokens are real comes from the mask transformers built (this reads the device)."""
-        new_real = None
-        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
-            # a token sees itself unless it is padding (the last row would miss the tokens a
-            # sliding window hides from it)
-            row = attention_mask[:, 0, -q:, -q:].diagonal(dim1=-2, dim2=-1)
-            new_real = None if bool(row.all()) else row
-        if position_ids is None:
-            position_ids = torch.arange(self.cumulative_length, self.cumulative_length + q, device=device)[None]
-        positions = position_ids.expand(b, q)
-        real = [q] * b if new_real is None else new_real.sum(-1).tolist()
-        self.begin(q, positions, new_real, real)
-
     # -- the transformers contract -----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the slots allocate at their first write."""
@@ -191,9 +169,7 @@ class KVLayer(CacheLayerMixin):
         """Store this forward's K/V (b, h, q, d) as computed by a layer that ``reads_as_full``,
         without attending: the model need not run again for a prompt read once."""
         self.update(key_states, value_states)
-        if self.tiers:
-            self.tiers.done()
-        self.pending = False
+        self.finish()
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -230,10 +206,14 @@ class KVLayer(CacheLayerMixin):
             self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length, self.spill)
         self.slots.settle(compact=plan.eviction.count > 1)
         self.clock.stop("attend", started)
+        self.finish()
+        return out
+
+    def finish(self) -> None:
+        """This forward's tokens are stored (and attended): its copies from the slow tier are done."""
         if self.tiers:
             self.tiers.done()
         self.pending = False
-        return out
 
     def attended_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions of the keys this forward's last query attends to, and which count:

@@ -100,8 +100,7 @@ class RecallLayer(KVLayer):
             evictor.evict(self.slots, self.positions[:, -1], plan.eviction, length, self.spill)
         self.slots.settle(compact=plan.eviction.count > 1)
         self.clock.stop("attend", started)
-        self.tiers.done()
-        self.pending = False
+        self.finish()
         return out
 
     def attended_positions(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from ..core import Batch, Reads, Sampling, left_pad, sample
+from ..core import Batch, Sampling, left_pad, sample
 from ..errors import InfinikvError
 from ..policies import Policy
+from .prompt_reads import Reads, prefill_shared
 from .ruler.builders import niah_keys, split_template
 from .ruler.generators import assemble, sentences
 from .ruler.metrics import string_match_all
@@ -109,7 +110,7 @@ def run_followup(
     for first in range(0, len(chats), batch_size):
         group = chats[first : first + batch_size]
         batch = Batch(model, policy, max_length=longest + 8)
-        logits, took = batch.prefill_shared([c.turns[0] for c in group], pad_id, reads)
+        logits, took = prefill_shared(batch, [c.turns[0] for c in group], pad_id, reads)
         taken += took
         for turn in range(turns):
             answers = sample(batch, logits, Sampling(max_new_tokens=ANSWER_TOKENS), stop_ids, pad_id)

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from ..core import Batch, Reads, Sampling, sample
+from ..core import Batch, Sampling, sample
 from ..policies import Policy
+from .prompt_reads import Reads, prefill_shared
 from .ruler import Sample, score
 from .trace import NeedleTrace
 
@@ -33,7 +34,7 @@ def run_cell(
     """Greedy answers to ``samples`` (one task and length) under ``policy``, ``batch_size`` prompts
     per batch; the row has the accuracy (mean score in [0, 1]), every sample's output, and where
     the samples hide needles, the share of them each layer attended (``trace.NeedleTrace``).
-    ``reads``: prompts read by an earlier cell, shared (``Batch.prefill_shared``); the row counts
+    ``reads``: prompts read by an earlier cell, shared (``prompt_reads``); the row counts
     in ``prompts_taken`` the batches that took theirs there, whose reading its ``seconds`` omit."""
     reads = {} if reads is None else reads
     taken = 0
@@ -48,7 +49,7 @@ def run_cell(
         batch = Batch(model, policy, max_length=group[0].length + new_tokens)
         if group[0].spans:
             trace.watch(batch.cache, [s.spans for s in group], group[0].length + new_tokens, batch.device)
-        logits, took = batch.prefill_shared([s.prompt_ids for s in group], pad_id, reads)
+        logits, took = prefill_shared(batch, [s.prompt_ids for s in group], pad_id, reads)
         taken += took
         tokens = sample(batch, logits, Sampling(max_new_tokens=new_tokens), stop_ids, pad_id)
         trace.detach()
