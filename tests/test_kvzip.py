@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 from infinikv import Batch, make_policy
 from infinikv.errors import InfinikvError
 from infinikv.kv.attend import peak_attention
+from infinikv.rereading import layer_parts
 
 
 def test_peak_attention_is_the_most_any_later_query_pays_each_key():
@@ -47,11 +48,11 @@ def test_a_prompt_is_scored_by_its_second_reading(tiny):
 
 
 @torch.inference_mode()
-def test_the_budget_keeps_the_best_read_tokens_and_later_ones_go_first(tiny):
+def test_each_layer_keeps_its_best_read_tokens_and_later_ones_go_first(tiny):
     prompt = torch.randint(0, 128, (40,)).tolist()
     whole = Batch(tiny, make_policy("kvzip", capacity=64))
     whole.prefill([prompt], 0)
-    batch = Batch(tiny, make_policy("kvzip", capacity=16, recent_tokens=4))
+    batch = Batch(tiny, make_policy("kvzip", capacity=16, recent_tokens=4, spread="layer"))
     batch.prefill([prompt], 0)
     for layer, reference in zip(batch.cache.layers, whole.cache.layers, strict=True):
         score = reference.slots.state["score"][0, :, :40]
@@ -69,3 +70,67 @@ def test_a_prompt_fed_without_its_reading_is_refused(tiny):
     batch = Batch(tiny, make_policy("kvzip", capacity=8))
     with pytest.raises(InfinikvError, match="reading it twice"):
         batch.feed(torch.randint(0, 128, (1, 20)))
+
+
+@torch.inference_mode()
+def test_the_budget_is_spread_over_the_layers_by_one_threshold(tiny):
+    """KVzip's spread: the budget's share of all the scores (every layer and KV head) sets one
+    threshold; each layer keeps its best tokens, as many as its heads hold above it, at least a
+    tenth of an even share, and the layers together no more than even shares."""
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()  # parts differ
+    whole = Batch(tiny, make_policy("kvzip", capacity=64))
+    whole.prefill([prompt], 0)
+    scores = torch.stack([layer.slots.state["score"][0, :, :40] for layer in whole.cache.layers])  # (L, h, 40)
+    threshold = scores.flatten().sort(descending=True).values[16 * 2 * 2 - 1]  # 16 of 40 per layer and head
+    above = (scores >= threshold).sum(-1).float().mean(-1)
+    parts = above / above.mean()
+    parts = torch.where(parts < 0.1, 0.1, parts * (2 - 0.1 * (parts < 0.1).sum()) / parts[parts >= 0.1].sum())
+    capacities = (16 * parts).floor().long().tolist()
+    assert len(set(capacities)) > 1 and sum(capacities) <= 2 * 16
+    batch = Batch(tiny, make_policy("kvzip", capacity=16))
+    batch.prefill([prompt], 0)
+    for layer, score, capacity in zip(batch.cache.layers, scores, capacities, strict=True):
+        best = score.topk(capacity, dim=-1).indices.sort(-1).values
+        kept = layer.slots.state["position"][0][layer.slots.state["valid"][0]].view(2, capacity).sort(-1).values
+        assert torch.equal(kept, best)
+
+
+def test_layer_parts_follow_where_the_high_scores_are_and_ignore_padding():
+    """A layer whose heads score few tokens high keeps less than one whose heads score many; the
+    parts average 1; a row padded past its length gets the parts it gets alone."""
+    torch.manual_seed(0)
+    peaked = torch.rand(1, 2, 30) * 0.1
+    peaked[..., :3] = 1.0
+    flat = 0.5 + torch.rand(1, 2, 30) * 0.1
+    alone = layer_parts([peaked, flat], torch.tensor([30]).view(1, 1, 1), torch.tensor([0.2]), 0.1)
+    assert alone[0, 0] < 1 < alone[1, 0] and torch.allclose(alone.mean(0), torch.ones(1, dtype=torch.float64))
+    padded = [torch.cat([torch.rand(1, 2, 36), torch.nn.functional.pad(t, (0, 6))]) for t in (peaked, flat)]
+    both = layer_parts(padded, torch.tensor([36, 30]).view(2, 1, 1), torch.tensor([0.3, 0.2]), 0.1)
+    assert torch.equal(both[:, 1:], alone)
+    every = layer_parts([peaked, flat], torch.tensor([30]).view(1, 1, 1), torch.tensor([1.0]), 0.1)
+    assert torch.equal(every, torch.ones(2, 1, dtype=torch.float64))  # a budget that keeps the whole prompt: even parts
+
+
+@torch.inference_mode()
+def test_rows_carry_their_parts_when_they_join_and_leave_a_batch(tiny):
+    """A conversation prefilled alone and appended to a running batch decodes as it would alone,
+    each row keeping its own layers' parts of the budget."""
+    ids = torch.randint(0, 128, (3, 50))
+    alone = [Batch(tiny, make_policy("kvzip", budget=0.3)) for _ in range(3)]
+    for b, length, row in zip(alone, (40, 30, 36), ids, strict=True):
+        b.prefill([row[:length].tolist()], 0)
+    group = Batch(tiny, make_policy("kvzip", budget=0.3))
+    group.prefill([ids[0, :40].tolist()], 0)
+    other = Batch(tiny, make_policy("kvzip", budget=0.3))
+    other.prefill([ids[1, :30].tolist(), ids[2, :36].tolist()], 0)
+    assert group.cache.layers[0].evictor.parts != other.cache.layers[0].evictor.parts[:1]
+    group.append(other)
+    for i in range(40, 46):
+        expected = torch.cat([b.step(ids[r : r + 1, i]) for r, b in enumerate(alone)])
+        assert (group.step(ids[:, i]) - expected).abs().max() < 1e-5
+    group.keep([2, 0])
+    for i in range(46, 50):
+        expected = torch.cat([alone[2].step(ids[2:3, i]), alone[0].step(ids[0:1, i])])
+        assert (group.step(ids[[2, 0], i]) - expected).abs().max() < 1e-5
+    for layer, single in zip(group.cache.layers, alone[2].cache.layers, strict=True):
+        assert layer.slots.held[0] == single.slots.held[0]

@@ -88,11 +88,12 @@ class Budget:
         if self.tokens is not None and self.tokens < 1:
             raise InfinikvError(f"--capacity must be at least 1 token, got {self.tokens}")
 
-    def capacity(self, seen: int) -> int:
-        """Tokens a sequence that has seen ``seen`` real tokens may keep."""
-        if self.tokens is not None:
-            return self.tokens
-        return max(1, math.ceil(seen * self.fraction))
+    def capacity(self, seen: int, part: float = 1.0) -> int:
+        """Tokens a sequence that has seen ``seen`` real tokens may keep in a layer given ``part``
+        of an even share (a rule may spread the budget over the layers, ``Rule.spread``: rounded
+        down, so the layers together never keep more than even shares would)."""
+        even = self.tokens if self.tokens is not None else max(1, math.ceil(seen * self.fraction))
+        return even if part == 1.0 else max(1, math.floor(even * part))
 
     def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False, chunk: int | None = None) -> int:
         """The most tokens a layer under this budget holds for a request of ``total`` tokens: the
@@ -154,6 +155,12 @@ class Rule(ABC):
         """A ``rereads`` rule's prompt scores ``(b, h, T)`` by position, for each row's first
         ``lengths`` ``(b, 1, 1)`` positions (the prompt's), before the prompt is fed into ``slots``;
         None once it is all in."""
+        return None
+
+    def spread(self, tables: list[torch.Tensor], lengths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+        """A ``rereads`` rule's parts of an even share of the budget ``(L, b)``, one per layer of
+        ``tables`` (each ``(b, h, T)``, as ``given`` takes them) and row, averaging 1 over the
+        layers; ``keep`` ``(b,)``: the share of each row's prompt the budget keeps. None: even."""
         return None
 
     def logit_bias(self, slots: Slots, length: int) -> torch.Tensor | None:

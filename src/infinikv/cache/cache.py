@@ -40,10 +40,20 @@ class KVCache(Cache):
         return [i for i, layer in enumerate(self.layers) if layer.evictor and layer.evictor.rule.rereads]
 
     def give_prompt_scores(self, tables: dict[int, torch.Tensor] | None, lengths: torch.Tensor | None) -> None:
-        """Hand each rereading layer its prompt scores ``(b, h, T)`` (None: the prompt is read)."""
-        for i in self.rereading():
+        """Hand each rereading layer its prompt scores ``(b, h, T)`` (None: the prompt is read), and
+        its part of the budget where the rule spreads it over the layers (``Rule.spread``)."""
+        rereading = self.rereading()
+        for i in rereading:
             layer = self.layers[i]
             layer.evictor.rule.given(layer.slots, None if tables is None else tables[i], lengths)
+        if tables is None or not rereading:
+            return
+        first = self.layers[rereading[0]].evictor
+        kept = [min(1.0, first.budget.capacity(n) / n) for n in lengths.view(-1).tolist()]
+        parts = first.rule.spread([tables[i] for i in rereading], lengths, torch.tensor(kept, device=lengths.device))
+        if parts is not None:
+            for i, row_parts in zip(rereading, parts.tolist(), strict=True):
+                self.layers[i].evictor.spread(row_parts)
 
     @property
     def reads_as_full(self) -> bool:

@@ -58,6 +58,7 @@ class Evictor:
         if renumbering is not None:
             self.specs[Renumbering.STATE] = StateSpec(torch.int32)
         self.capacities: list[int] | None = None  # a fixed capacity per row
+        self.parts: list[float] | None = None  # each row's part of an even share (``spread``); None: even
         self.capacity: torch.Tensor | None = None  # (b, 1, 1) on the device
         self._capacity_key: tuple | None = None
         self.take: torch.Tensor | None = None  # (b, 1, k) bool: the victims each row drops
@@ -87,6 +88,12 @@ class Evictor:
             self.capacities = [self.budget.capacity(t) for t in tokens]
             slots.size = slots.size or max(self.capacities) + 1
 
+    def spread(self, parts: list[float]) -> None:
+        """This layer's part of an even share of the budget, per row (``Rule.spread``). A fixed
+        capacity keeps its even share: its storage was allocated by it before the prompt was read."""
+        self.parts = None if self.fixed else parts
+        self._capacity_key = None
+
     def plan(self, slots: Slots, seen: list[int], before: list[int], device: torch.device) -> Eviction:
         """Count each row's excess over its capacity as gone (``slots.forget``) and plan the
         victims; rows that cross the renumbering threshold are caught up now."""
@@ -95,7 +102,8 @@ class Evictor:
                 self.expect(seen, slots)
             capacities = self.capacities
         else:
-            capacities = [self.budget.capacity(s) for s in seen]
+            parts = self.parts or [1.0] * len(seen)
+            capacities = [self.budget.capacity(s, part) for s, part in zip(seen, parts, strict=True)]
         excess = [max(0, h - c) for h, c in zip(slots.held, capacities, strict=True)]
         slots.forget(excess)
         count, even = max(excess), len(set(excess)) == 1
@@ -165,13 +173,18 @@ class Evictor:
     def keep_rows(self, rows: list[int]) -> None:
         if self.capacities is not None:
             self.capacities = [self.capacities[r] for r in rows]
+        if self.parts is not None:
+            self.parts = [self.parts[r] for r in rows]
         self._capacity_key = None
 
-    def append_rows(self, other: Evictor) -> None:
+    def append_rows(self, other: Evictor, rows: int, their_rows: int) -> None:
+        """Take ``other``'s rows (``their_rows``) after this one's ``rows``."""
         if other.capacities is not None:
             self.capacities = (self.capacities or []) + other.capacities
+        if self.parts is not None or other.parts is not None:
+            self.parts = (self.parts or [1.0] * rows) + (other.parts or [1.0] * their_rows)
         self._capacity_key = None
 
     def reset(self) -> None:
-        self.capacities = None  # settled again by the next first chunk, and the storage with them
+        self.capacities = self.parts = None  # settled again by the next prompt, and the storage with them
         self._capacity_key = self.take = None

@@ -22,11 +22,11 @@ def join(cache: KVCache, other: KVCache) -> None:
             mine.stats = theirs.stats
         else:
             mine.stats.extend(theirs.stats)
-        mine.seen = mine.seen + theirs.seen
         if mine.evictor:
-            mine.evictor.append_rows(theirs.evictor)
+            mine.evictor.append_rows(theirs.evictor, len(mine.seen), len(theirs.seen))
             if theirs.evictor.capacities is not None:  # fixed storage: room for the largest capacity
                 mine.slots.size = max(mine.slots.size or 0, theirs.slots.size or 0) or None
+        mine.seen = mine.seen + theirs.seen
         mine.cumulative_length = max(mine.cumulative_length, theirs.cumulative_length)
         mine.uniform = mine.uniform and theirs.uniform
 

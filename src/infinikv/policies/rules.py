@@ -14,6 +14,7 @@ from ..contract import Option, Rule, Scoring
 from ..errors import InfinikvError
 from ..kv.layout import expand_to
 from ..kv.slots import Slots, StateSpec
+from ..rereading import layer_parts
 
 
 class SinkRecent(Rule):
@@ -153,7 +154,15 @@ class Reread(Rule):
     (``rereading``). Tokens after the prompt (answers, a conversation's next questions) are kept
     while among the newest ``recent_tokens``, the prompt giving way to them lowest score first;
     older ones go before any prompt token, oldest first: what was read stays, as in a
-    conversation about one document."""
+    conversation about one document.
+
+    The budget is spread over the layers as KVzip spreads it: one threshold over the scores of
+    every layer and KV head keeps the budget's share of them, and each layer keeps, of its even
+    share, the part its heads hold above that threshold (``rereading.layer_parts``; each layer at
+    least a tenth of an even share, the others giving way), so the layers together keep the
+    budget. Some layers' heads score most of a document high and some almost none of it: an even
+    share per layer (``spread=layer``) kept pieces of a 7-digit value's digits and answered none of
+    Qwen2.5-Coder-0.5B's follow-up questions, where the spread answers most (docs/evaluation.md)."""
 
     name = "kvzip"
     options = (
@@ -164,7 +173,15 @@ class Reread(Rule):
             "kvzip: the newest tokens after the prompt always kept (older ones go first), >= 0",
             lambda n: n >= 0,
         ),
+        Option(
+            "spread",
+            str,
+            "model",
+            "kvzip: one threshold over every layer's scores (model, KVzip's) or each layer its own top share (layer)",
+            lambda s: s in ("model", "layer"),
+        ),
     )
+    floor = 0.1  # of an even share, kept by every layer
     rereads = True
     state = {"score": StateSpec(torch.float32, initial=-math.inf)}  # a token after the prompt: unscored
 
@@ -186,6 +203,9 @@ class Reread(Rule):
         position = slots.state["position"][:, :, :length].long()
         read = self.table.gather(2, position.clamp(max=self.table.shape[-1] - 1))
         score.copy_(torch.where(position < self.lengths, read, score))
+
+    def spread(self, tables: list[torch.Tensor], lengths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+        return layer_parts(tables, lengths, keep, self.floor) if self.params["spread"] == "model" else None
 
     def scores(self, slots: Slots, at: Scoring) -> torch.Tensor:
         if not self.read:
