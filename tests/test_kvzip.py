@@ -134,3 +134,15 @@ def test_rows_carry_their_parts_when_they_join_and_leave_a_batch(tiny):
         assert (group.step(ids[[2, 0], i]) - expected).abs().max() < 1e-5
     for layer, single in zip(group.cache.layers, alone[2].cache.layers, strict=True):
         assert layer.slots.held[0] == single.slots.held[0]
+
+
+@torch.inference_mode()
+def test_a_compiled_steps_storage_keeps_even_shares(tiny):
+    """A static cache (a compiled step's) allocates every layer's slots before the prompt is read,
+    so each layer keeps the capacity, however the scores would spread it."""
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()  # parts differ
+    policy = make_policy("kvzip", capacity=16)
+    batch = Batch(tiny, policy, cache=policy.make_cache(tiny, static=True))
+    batch.prefill([prompt], 0)
+    assert [layer.slots.held for layer in batch.cache.layers] == [[16], [16]]
+    assert all(layer.evictor.parts is None for layer in batch.cache.layers)
