@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 from infinikv import Batch, make_policy
 from infinikv.errors import InfinikvError
 from infinikv.kv.attend import peak_attention
-from infinikv.rereading import layer_parts
+from infinikv.policies.rules import layer_parts
 
 
 def test_peak_attention_is_the_most_any_later_query_pays_each_key():

@@ -14,7 +14,6 @@ from ..contract import Option, Rule, Scoring
 from ..errors import InfinikvError
 from ..kv.layout import expand_to
 from ..kv.slots import Slots, StateSpec
-from ..rereading import layer_parts
 
 
 class SinkRecent(Rule):
@@ -158,7 +157,7 @@ class Reread(Rule):
 
     The budget is spread over the layers as KVzip spreads it: one threshold over the scores of
     every layer and KV head keeps the budget's share of them, and each layer keeps, of its even
-    share, the part its heads hold above that threshold (``rereading.layer_parts``; each layer at
+    share, the part its heads hold above that threshold (``layer_parts``; each layer at
     least a tenth of an even share, the others giving way), so the layers together keep the
     budget. Some layers' heads score most of a document high and some almost none of it: an even
     share per layer (``spread=layer``) kept pieces of a 7-digit value's digits and answered none of
@@ -220,6 +219,27 @@ class Reread(Rule):
         later = score == -math.inf  # after the prompt: the newest kept, older ones below any prompt token
         recent = position > at.newest - self.params["recent_tokens"]
         return torch.where(later, torch.where(recent, math.inf, -1 / (position + 1.0)), score)
+
+
+def layer_parts(tables: list[torch.Tensor], lengths: torch.Tensor, keep: torch.Tensor, floor: float) -> torch.Tensor:
+    """Each layer's part of an even share of the budget, ``(L, b)`` float64, averaging 1 over the
+    layers: KVzip's one threshold over every layer and KV head. Of each row's scores in all
+    ``tables`` (``L`` tensors ``(b, h, T)``, the row's first ``lengths`` ``(b, 1, 1)`` positions
+    real), the top ``keep`` ``(b,)`` share sets a threshold; a layer's part is the tokens its heads
+    hold above it over the layers' mean, counted in integers, so a row's parts never depend on its
+    batch. A layer below ``floor`` is raised to it, the others giving way in proportion, so a layer
+    whose heads look at few tokens still keeps some."""
+    scores = torch.stack(tables)  # (L, b, h, T)
+    layers, rows, heads, width = scores.shape
+    real = torch.arange(width, device=scores.device) < lengths.view(1, rows, 1, 1)
+    scores = scores.masked_fill(~real, -math.inf)
+    ranked = scores.transpose(0, 1).reshape(rows, -1).sort(dim=-1, descending=True).values  # (b, L h T)
+    top = (keep * lengths.view(rows) * layers * heads).ceil().long().clamp(min=1)
+    threshold = ranked.gather(1, (top - 1).view(rows, 1)).view(1, rows, 1, 1)
+    above = ((scores >= threshold) & real).sum((-1, -2)).double()  # (L, b), integers: exact, as alone
+    low = above * layers < floor * above.sum(0)
+    rest = (layers - floor * low.sum(0)) / above.masked_fill(low, 0).sum(0)
+    return torch.where(low, floor, above * rest)
 
 
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (SinkRecent, HeavyHitter, Tova, Merge, Question, Reread)}
