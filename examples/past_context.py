@@ -19,9 +19,9 @@ import time
 from openai import OpenAI
 from transformers import AutoConfig, AutoTokenizer
 
+from infinikv.bench.server import running_server
 from infinikv.data import load_text
 from infinikv.models import resolve
-from infinikv.serve.bench import running_server
 
 
 def rate(arrivals: list[tuple[float, int]], start: int, end: int | None) -> float:

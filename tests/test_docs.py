@@ -200,3 +200,15 @@ def test_the_board_puts_each_protocol_of_a_policy_on_one_line(tmp_path, capsys):
     board = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {"model": "m", "policy": "recall 0.1", "niah_multikey_1 2k": 50.0} in board
     assert main(["report", "--board", str(page)]) == 2  # not rows: one line, exit 2
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_every_example_imports(script):
+    """The docs run the examples by hand; a module moved without them fails here, not in a reader's
+    shell (examples/past_context.py imported ``infinikv.serve.bench`` for two days after it moved)."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import runpy; runpy.run_path({str(script)!r}, run_name='example')"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
