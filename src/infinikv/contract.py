@@ -93,7 +93,7 @@ class Budget:
         of an even share (a rule may spread the budget over the layers, ``Rule.spread``: rounded
         down, so the layers together never keep more than even shares would)."""
         even = self.tokens if self.tokens is not None else max(1, math.ceil(seen * self.fraction))
-        return even if part == 1.0 else max(1, math.floor(even * part))
+        return max(1, math.floor(even * part))
 
     def worst_case(self, prompt_tokens: int, total: int, fixed: bool = False, chunk: int | None = None) -> int:
         """The most tokens a layer under this budget holds for a request of ``total`` tokens: the
