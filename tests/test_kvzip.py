@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 from infinikv import Batch, make_policy
 from infinikv.errors import InfinikvError
+from infinikv.eval.trace import NeedleTrace
 from infinikv.kv.attend import peak_attention
 from infinikv.policies.rules import layer_parts
 
@@ -50,9 +51,9 @@ def test_a_prompt_is_scored_by_its_second_reading(tiny):
 @torch.inference_mode()
 def test_each_layer_keeps_its_best_read_tokens_and_later_ones_go_first(tiny):
     prompt = torch.randint(0, 128, (40,)).tolist()
-    whole = Batch(tiny, make_policy("kvzip", capacity=64))
+    whole = Batch(tiny, make_policy("kvzip", capacity=64, heads="even"))
     whole.prefill([prompt], 0)
-    batch = Batch(tiny, make_policy("kvzip", capacity=16, recent_tokens=4, spread="layer"))
+    batch = Batch(tiny, make_policy("kvzip", capacity=16, recent_tokens=4, spread="layer", heads="even"))
     batch.prefill([prompt], 0)
     for layer, reference in zip(batch.cache.layers, whole.cache.layers, strict=True):
         score = reference.slots.state["score"][0, :, :40]
@@ -64,6 +65,59 @@ def test_each_layer_keeps_its_best_read_tokens_and_later_ones_go_first(tiny):
     for layer in batch.cache.layers:
         position = layer.slots.state["position"][0][layer.slots.state["valid"][0]].view(2, 16)
         assert int((position >= 40).sum(-1).max()) == 4 and int(position.max()) == 51
+
+
+@torch.inference_mode()
+def test_each_kv_head_keeps_as_many_tokens_as_its_scores_earn(tiny):
+    """``heads=own`` (the default): a layer's K/V of both KV heads share one pool, so the layer
+    keeps its best (token, head) pairs, the capacity's worth of each head, and the heads hold
+    different counts; decoding, each head keeps the 4 newest later tokens, older ones going first.
+    Its held bytes are exactly the capacity's (as ``heads=even``, which holds the same count per head)."""
+    prompt = torch.randint(0, 128, (40,)).tolist()
+    whole = Batch(tiny, make_policy("kvzip", capacity=64, heads="even"))
+    whole.prefill([prompt], 0)
+    batch = Batch(tiny, make_policy("kvzip", capacity=16, recent_tokens=4, spread="layer"))
+    batch.prefill([prompt], 0)
+    counts = []
+    for layer, reference in zip(batch.cache.layers, whole.cache.layers, strict=True):
+        score = reference.slots.state["score"][0, :, :40]  # (2, 40)
+        best = torch.zeros(2 * 40, dtype=torch.bool).scatter(0, score.flatten().topk(32).indices, True).view(2, 40)
+        kept = torch.zeros(2, 40, dtype=torch.bool)
+        valid = layer.slots.state["valid"][0, 0]
+        heads, position = layer.slots.state["head"][0, 0][valid], layer.slots.state["position"][0, 0][valid]
+        kept[heads, position] = True
+        assert torch.equal(kept, best) and layer.slots.tokens() == [16]
+        counts.append(best.sum(-1).tolist())
+    assert any(a != b for a, b in counts)  # some layer's heads keep different counts
+    even = Batch(tiny, make_policy("kvzip", capacity=16, spread="layer", heads="even"))
+    even.prefill([prompt], 0)
+    assert batch.cache.held_bytes() == even.cache.held_bytes()
+    for token in torch.randint(0, 128, (12,)):
+        batch.step(token.view(1))
+    for layer in batch.cache.layers:
+        valid = layer.slots.state["valid"][0, 0]
+        heads, position = layer.slots.state["head"][0, 0][valid], layer.slots.state["position"][0, 0][valid]
+        later = [sorted(position[(heads == h) & (position >= 40)].tolist()) for h in range(2)]
+        assert later == [[48, 49, 50, 51]] * 2 and layer.slots.tokens() == [16]
+
+
+@torch.inference_mode()
+def test_a_needle_trace_counts_each_heads_own_slots_of_a_pool(tiny):
+    """The needle trace of a pooled layer: a decode step's share of the needle per KV head is what
+    that head held of it as the step attended (before it evicted), computed here from the pool."""
+    prompt = torch.randint(0, 128, (40,)).tolist()
+    batch = Batch(tiny, make_policy("kvzip", capacity=16, spread="layer"))
+    batch.prefill([prompt], 0)
+    shares = []
+    for layer in batch.cache.layers:
+        valid = layer.slots.state["valid"][0, 0]
+        position, head = layer.slots.state["position"][0, 0][valid], layer.slots.state["head"][0, 0][valid]
+        inside = (position >= 10) & (position < 30)
+        shares.append([round(100 * int((inside & (head == h)).sum()) / 20, 1) for h in range(2)])
+    trace = NeedleTrace()
+    trace.watch(batch.cache, [[(10, 30)]], 41, torch.device("cpu"))
+    batch.step(torch.tensor([1]))
+    assert trace.result()["needle_attended_per_head"] == shares and shares[0] != shares[0][::-1]
 
 
 def test_a_prompt_fed_without_its_reading_is_refused(tiny):
@@ -78,7 +132,7 @@ def test_the_budget_is_spread_over_the_layers_by_one_threshold(tiny):
     threshold; each layer keeps its best tokens, as many as its heads hold above it, at least a
     tenth of an even share, and the layers together no more than even shares."""
     prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()  # parts differ
-    whole = Batch(tiny, make_policy("kvzip", capacity=64))
+    whole = Batch(tiny, make_policy("kvzip", capacity=64, heads="even"))
     whole.prefill([prompt], 0)
     scores = torch.stack([layer.slots.state["score"][0, :, :40] for layer in whole.cache.layers])  # (L, h, 40)
     threshold = scores.flatten().sort(descending=True).values[16 * 2 * 2 - 1]  # 16 of 40 per layer and head
@@ -87,7 +141,7 @@ def test_the_budget_is_spread_over_the_layers_by_one_threshold(tiny):
     parts = torch.where(parts < 0.1, 0.1, parts * (2 - 0.1 * (parts < 0.1).sum()) / parts[parts >= 0.1].sum())
     capacities = (16 * parts).floor().long().tolist()
     assert len(set(capacities)) > 1 and sum(capacities) <= 2 * 16
-    batch = Batch(tiny, make_policy("kvzip", capacity=16))
+    batch = Batch(tiny, make_policy("kvzip", capacity=16, heads="even"))
     batch.prefill([prompt], 0)
     for layer, score, capacity in zip(batch.cache.layers, scores, capacities, strict=True):
         best = score.topk(capacity, dim=-1).indices.sort(-1).values

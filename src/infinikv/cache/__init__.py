@@ -7,7 +7,7 @@ the contract's rules and budgets, never a policy."""
 from .cache import KVCache
 from .evict import Evictor
 from .fetch import Selection, TwoTier
-from .layer import KVLayer
+from .layer import KVLayer, PooledLayer
 from .recall import RecallLayer
 from .rows import GroupedCache, join, keep, row_slices
 
@@ -16,6 +16,7 @@ __all__ = [
     "GroupedCache",
     "KVCache",
     "KVLayer",
+    "PooledLayer",
     "RecallLayer",
     "Selection",
     "TwoTier",

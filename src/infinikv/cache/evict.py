@@ -103,7 +103,7 @@ class Evictor:
             capacities = self.capacities
         else:
             parts = self.parts or [1.0] * len(seen)
-            capacities = [self.budget.capacity(s, part) for s, part in zip(seen, parts, strict=True)]
+            capacities = [self.budget.capacity(s, part) * slots.per_token for s, part in zip(seen, parts, strict=True)]
         excess = [max(0, h - c) for h, c in zip(slots.held, capacities, strict=True)]
         slots.forget(excess)
         count, even = max(excess), len(set(excess)) == 1

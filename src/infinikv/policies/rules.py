@@ -161,7 +161,9 @@ class Reread(Rule):
     least a tenth of an even share, the others giving way), so the layers together keep the
     budget. Some layers' heads score most of a document high and some almost none of it: an even
     share per layer (``spread=layer``) kept pieces of a 7-digit value's digits and answered none of
-    Qwen2.5-Coder-0.5B's follow-up questions, where the spread answers most (docs/evaluation.md)."""
+    Qwen2.5-Coder-0.5B's follow-up questions, where the spread answers most (docs/evaluation.md).
+    Within a layer, slots of every head in one pool (``kv.slots.PooledSlots``) are scored by their
+    own head's reading, so the lowest (token, head) pairs go and each head keeps its own count."""
 
     name = "kvzip"
     options = (
@@ -200,7 +202,9 @@ class Reread(Rule):
         """The prompt's tokens among the first ``length`` slots take their reading's score."""
         score = slots.state["score"][:, :, :length]
         position = slots.state["position"][:, :, :length].long()
-        read = self.table.gather(2, position.clamp(max=self.table.shape[-1] - 1))
+        width = self.table.shape[-1]
+        index = slots.heads_of(length) * width + position.clamp(max=width - 1)  # the slot's head and token
+        read = self.table.flatten(1).gather(1, index.reshape(index.shape[0], -1)).view_as(index)
         score.copy_(torch.where(position < self.lengths, read, score))
 
     def spread(self, tables: list[torch.Tensor], lengths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
