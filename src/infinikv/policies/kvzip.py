@@ -45,10 +45,10 @@ class KVzip(Evicting):
     def layer(self, index: int, model: torch.nn.Module, static: int | None) -> KVLayer:
         """With ``heads=own`` the layer's K/V of every KV head share one pool (``PooledSlots``),
         so the heads that score the prompt high keep more of it; a compiled step's fixed storage
-        keeps an even count per head."""
-        if self.params["heads"] == "even" or static is not None:
-            return super().layer(index, model, static)
+        keeps an even count per head, and a model of one KV head has nothing to pool."""
         heads = model_shape(model.config)[1]
+        if self.params["heads"] == "even" or static is not None or heads == 1:
+            return super().layer(index, model, static)
         return PooledLayer(PooledSlots(heads), Evictor(self.make_rule(), self.budget))
 
     def prefill_chunk(self, model: torch.nn.Module, prompt_tokens: int | None) -> int | None:
