@@ -101,6 +101,17 @@ def test_each_kv_head_keeps_as_many_tokens_as_its_scores_earn(tiny):
         assert later == [[48, 49, 50, 51]] * 2 and layer.slots.tokens() == [16]
 
 
+def test_only_a_model_of_several_kv_heads_pools_them(tiny):
+    one_head = copy.deepcopy(tiny.config)
+    one_head.num_key_value_heads = 1
+    kinds = {
+        (heads, n): type(make_policy("kvzip", budget=0.2, heads=heads).make_cache(model).layers[0]).__name__
+        for heads in ("own", "even")
+        for n, model in ((2, tiny), (1, LlamaForCausalLM(one_head)))
+    }
+    assert kinds == {("own", 2): "PooledLayer", ("own", 1): "KVLayer", ("even", 2): "KVLayer", ("even", 1): "KVLayer"}
+
+
 @torch.inference_mode()
 def test_a_needle_trace_counts_each_heads_own_slots_of_a_pool(tiny):
     """The needle trace of a pooled layer: a decode step's share of the needle per KV head is what
