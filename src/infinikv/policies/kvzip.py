@@ -7,10 +7,10 @@ at. The memory held is the budget; the extra cost is a prefill of twice the prom
 
 As KVzip does, each KV head keeps as many tokens as its scores earn (``heads=own``): a layer's
 K/V of all its heads share one pool of slots, one per token and head, and the lowest go. The
-heads that copy a document while rereading it (a few per layer) keep most of it, the others
-little: on SmolLM2-135M (3 KV heads a layer), holding 20% of a 2,048-token document, the same
-count per head (``heads=even``) answered 0 to 10% of the follow-up questions ``full`` answers 40
-to 60% of, the pool 40 to 80% (docs/evaluation.md)."""
+heads that copy a document while rereading it keep most of it, the others little: on
+SmolLM2-135M (3 KV heads a layer), holding 20% of a 2,048-token document, the same count per
+head (``heads=even``) answered 0 to 10% of the follow-up questions ``full`` answers 40 to 60% of,
+the pool 40 to 80% (docs/evaluation.md)."""
 
 import torch
 
