@@ -98,7 +98,7 @@ def test_every_policy_matches_the_models_own_cache(family, name):
     ours = forward_loop(model, ids, cache)
     assert (ours - reference).abs().max() < TOLERANCE.get(name, 1e-5)
     for layer, window in zip(cache.layers, windows(model.config), strict=True):  # a window holds window - 1
-        assert layer.slots.held == [40 if window is None else window - 1] * 2
+        assert layer.slots.tokens() == [40 if window is None else window - 1] * 2
         assert layer.is_sliding == (window is not None)
     assert (kind == "gemma3") == any(windows(model.config))
 
