@@ -7,7 +7,8 @@ the contract's rules and budgets, never a policy."""
 from .cache import KVCache
 from .evict import Evictor
 from .fetch import Selection, TwoTier
-from .layer import KVLayer, PooledLayer
+from .layer import KVLayer
+from .pooled import PooledLayer
 from .recall import RecallLayer
 from .rows import GroupedCache, join, keep, row_slices
 

@@ -16,7 +16,7 @@ import torch
 
 from ..cache import Evictor, KVLayer, PooledLayer
 from ..contract import Cost, Option
-from ..kv.slots import PooledSlots
+from ..kv.pooled import PooledSlots
 from ..sizes import model_shape
 from .base import Evicting
 from .rules import Reread

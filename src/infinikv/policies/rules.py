@@ -162,7 +162,7 @@ class Reread(Rule):
     budget. Some layers' heads score most of a document high and some almost none of it: an even
     share per layer (``spread=layer``) kept pieces of a 7-digit value's digits and answered none of
     Qwen2.5-Coder-0.5B's follow-up questions, where the spread answers most (docs/evaluation.md).
-    Within a layer, slots of every head in one pool (``kv.slots.PooledSlots``) are scored by their
+    Within a layer, slots of every head in one pool (``kv.pooled.PooledSlots``) are scored by their
     own head's reading, so the lowest (token, head) pairs go and each head keeps its own count."""
 
     name = "kvzip"
