@@ -7,7 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from infinikv import Batch, make_policy
 from infinikv.core import Sampling, sample, step_together
-from infinikv.eval.prompt_reads import prefill_shared
+from infinikv.eval.prompt_reads import Reads, prefill_shared
 from infinikv.policies import REGISTRY
 from infinikv.text import Detokenizer
 from test_policies import ALL, prepared, whole
@@ -44,9 +44,9 @@ def test_a_prompt_read_once_serves_every_cache_that_reads_it_as_full(tiny, name)
     """Padded prompts read by ``full``: a cache that reads prompts as ``full`` does takes their K/V
     and decodes exactly as after reading them itself (every logit equal); any other reads its own."""
     prompts, steps = [list(range(1, 30)), list(range(40, 51))], [7, 8, 9, 10]
-    reads = {}
+    reads = Reads()
     _, took = prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)
-    assert not took and len(reads) == 1
+    assert not took and len(reads.full) == 1
     policy = prepared(make_policy(name, capacity=16) if REGISTRY[name].takes_budget else make_policy(name), tiny)
     own, shared = Batch(tiny, policy), Batch(tiny, policy)
     logits, took = prefill_shared(shared, prompts, 0, reads)
@@ -58,10 +58,29 @@ def test_a_prompt_read_once_serves_every_cache_that_reads_it_as_full(tiny, name)
 
 def test_a_prompt_read_in_other_chunks_is_read_again(tiny):
     """K/V computed in other chunks differ in rounding: a cache reading in its own chunks reads."""
-    prompts, reads = [list(range(1, 30))], {}
+    prompts, reads = [list(range(1, 30))], Reads()
     prefill_shared(Batch(tiny, make_policy("full", prefill_chunk=8)), prompts, 0, reads)
     assert prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)[1] is False
     assert prefill_shared(Batch(tiny, make_policy("full")), prompts, 0, reads)[1] is True
+
+
+@torch.inference_mode()
+def test_caches_that_read_a_prompt_twice_share_both_readings(tiny):
+    """``kvzip`` at a second budget takes the first one's readings of the same prompts (no forward
+    runs) and decodes exactly as after reading them itself."""
+    prompts, steps, reads = [list(range(1, 30)), list(range(40, 51))], [7, 8, 9, 10], Reads()
+    assert prefill_shared(Batch(tiny, make_policy("kvzip", capacity=24)), prompts, 0, reads)[1] is False
+    own, shared = (Batch(tiny, make_policy("kvzip", capacity=16)) for _ in range(2))
+    forwards = []
+    hook = tiny.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        logits, took = prefill_shared(shared, prompts, 0, reads)
+    finally:
+        hook.remove()
+    assert took and not forwards
+    for token in steps:
+        logits = torch.cat([logits, shared.step(torch.full((2,), token))])
+    assert torch.equal(run(own, prompts, steps), logits.view(len(steps) + 1, 2, -1))
 
 
 STEADY = [("full", {}), ("sink", {"capacity": 48}), ("h2o", {"capacity": 48}), ("bct", {"capacity": 48})]

@@ -24,28 +24,53 @@ def test_peak_attention_is_the_most_any_later_query_pays_each_key():
     assert torch.allclose(got, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [2048, 8])
 @torch.inference_mode()
-def test_a_prompt_is_scored_by_its_second_reading(tiny):
+def test_a_prompt_is_scored_by_its_second_reading(tiny, chunk):
     """Each prompt token's score is the most attention transformers' eager attention pays it from
     the queries of the same prompt fed again right after it (max over those queries and a KV
-    head's query heads); a batch of two prompts of different lengths scores each as alone."""
+    head's query heads); fed again in chunks of 8 tokens, each chunk right after the prompt alone,
+    the most over the chunks; a batch of two prompts of different lengths scores each as alone."""
     prompts = [torch.randint(0, 128, (30,)).tolist(), torch.randint(0, 128, (22,)).tolist()]
-    batch = Batch(tiny, make_policy("kvzip", capacity=64))  # holds every token: nothing evicted
+    batch = Batch(tiny, make_policy("kvzip", capacity=64, reread_chunk=chunk))  # holds every token: nothing evicted
     batch.prefill(prompts, pad_id=0)
     plain = LlamaForCausalLM(copy.deepcopy(tiny.config)).eval()
     plain.load_state_dict(tiny.state_dict(), strict=False)
     plain.set_attn_implementation("eager")
     for row, prompt in enumerate(prompts):
         n = len(prompt)
-        attentions = plain(input_ids=torch.tensor([prompt * 2]), output_attentions=True).attentions
+        readings = [
+            plain(input_ids=torch.tensor([prompt + prompt[start : start + chunk]]), output_attentions=True).attentions
+            for start in range(0, n, chunk)
+        ]
         for index, layer in enumerate(batch.cache.layers):
-            weights = attentions[index][0, :, n:, :n]  # (H, n, n): the second reading over the first
-            expected = weights.reshape(2, 2, n, n).amax((1, 2))  # 2 KV heads of 2 query heads each
+            weights = [attentions[index][0, :, n:, :n] for attentions in readings]  # (H, c, n): a copy over the prompt
+            expected = torch.stack([w.reshape(2, 2, -1, n).amax((1, 2)) for w in weights]).amax(0)  # 2 KV heads of 2
             slots = layer.slots
             position, valid = slots.state["position"][row], slots.state["valid"][row]
             score = slots.state["score"][row][valid].view(2, n)
             assert torch.equal(position[valid].view(2, n), torch.arange(n).expand(2, n))
             assert torch.allclose(score, expected, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_prompt_is_read_once_then_copied_once(tiny):
+    """The model runs over a prompt once for its first reading (whose K/V the cache stores, exactly
+    those of ``full``) and once per chunk of its copy: 1 + 4 forwards for 30 tokens in chunks of 8."""
+    prompt = torch.randint(0, 128, (30,)).tolist()
+    forwards = []
+    hook = tiny.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        batch = Batch(tiny, make_policy("kvzip", capacity=64, reread_chunk=8))
+        batch.prefill([prompt], pad_id=0)
+    finally:
+        hook.remove()
+    assert len(forwards) == 1 + 4
+    full = Batch(tiny, make_policy("full"))
+    full.prefill([prompt], pad_id=0)
+    for layer, reference in zip(batch.cache.layers, full.cache.layers, strict=True):
+        kept = layer.slots.view(layer.slots.n)[0].view(1, 2, 30, -1)  # a pool: head-major, one slot per token
+        assert torch.equal(kept, reference.slots.view(30)[0])
 
 
 @torch.inference_mode()

@@ -126,7 +126,8 @@ class Rule(ABC):
     attention probabilities sets ``observes``; per-slot state it keeps is declared in ``state``
     and moves with its slot. ``evict`` may do more than drop (``merge`` folds a victim first).
     A rule that scores a prompt by a second reading of it sets ``rereads``: the decode core reads
-    the prompt twice first and hands it the scores (``given``).
+    the prompt twice first and hands it the scores (``given``); it must need no attention, as its
+    cache may store the first reading's K/V without a forward (``KVLayer.take``).
     """
 
     name: ClassVar[str]

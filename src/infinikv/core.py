@@ -24,7 +24,7 @@ from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
 from .policies import Policy, reference
-from .rereading import observer, score_tables
+from .rereading import FirstReading, Readings, left_padded, second_readings
 from .sampling import Sampling, next_tokens, until_stop
 from .sizes import model_device
 
@@ -65,6 +65,7 @@ class Batch:
         self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._signature: tuple = ()
         self._all_real: dict[int, torch.Tensor] = {}
+        self.readings: Readings | None = None  # prompts' second readings shared with other batches (a grid's)
 
     @property
     def rows(self) -> int:
@@ -77,53 +78,54 @@ class Batch:
     ) -> torch.Tensor:
         """Feed ``prompts`` (one token list per row, left-padded), ``chunk`` tokens per forward
         (None: the policy's choice, ``Policy.prefill_chunk``). Returns each row's next-token logits
-        (b, V), or with ``keep_all`` the logits of every position (b, n, V)."""
-        return self._read(*self._start(prompts, pad_id), chunk, keep_all)
+        (b, V), or with ``keep_all`` the logits of every position (b, n, V). A cache that reads its
+        prompt twice (``rereading``) and stores it from one forward takes the first reading's K/V."""
+        ids, real, firsts = self._start(prompts, pad_id)
+        n = ids.shape[1]
+        if not firsts or keep_all or (chunk or self.policy.prefill_chunk(self.model, n)) < n:
+            return self._read(ids, real, chunk, keep_all)
+        kv, logits = left_padded(firsts, n)
+        self._store(real, kv)
+        return logits.to(self.device)
 
     @torch.inference_mode()
     def prefill_from(
         self, prompts: Sequence[Sequence[int]], pad_id: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """``prefill`` without a forward: ``kv``, each layer's K/V of ``prompts`` (b, h, n, d) as a
-        cache that ``reads_as_full`` computed them in this policy's chunks (``KVCache.prompt_kv``),
-        is stored as reading them would store it; the caller keeps the logits of that reading."""
-        ids, real = self._start(prompts, pad_id)
-        self.cache.begin(ids.shape[1], *self._place(ids.shape[1], real))
+        """``prefill`` without a forward: ``kv``, each layer's K/V of ``prompts`` (b, h, n, d) as a cache
+        that ``reads_as_full`` computed them in this policy's chunks (``KVCache.prompt_kv``), is stored."""
+        self._store(self._start(prompts, pad_id)[1], kv)
+
+    def _store(self, real: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store ``kv``, each layer's K/V (b, h, n, d) of the prompts (``real`` (b, n)), as a forward would."""
+        n = real.shape[1]
+        self.cache.begin(n, *self._place(n, real))
         try:
             self.cache.take([(k.to(self.device), v.to(self.device)) for k, v in kv])
         finally:
             self.cache.end()
         self.prompt_read()
 
-    def _start(self, prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _start(self, prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         """A prompt's first forward comes next: its rows start at position 0, the cache learns their
-        lengths. Returns them left-padded, ``(ids, real)`` (b, n) on the CPU."""
+        lengths (``expect``). Returns them left-padded, ``(ids, real)`` (b, n) on the CPU, and ``expect``'s."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InfinikvError("the prompt is empty")
         self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        self.expect(prompts)
-        return left_pad(prompts, pad_id)
+        firsts = self.expect(prompts)
+        return *left_pad(prompts, pad_id), firsts
 
-    def expect(self, prompts: Sequence[Sequence[int]]) -> None:
+    def expect(self, prompts: Sequence[Sequence[int]]) -> list[FirstReading]:
         """Before a prompt's first chunk (a caller feeding it itself calls this, then ``prompt_read``
-        after its last): its length, and where a rule asks, its second reading (``rereading``)."""
+        after its last): its length, and where a rule asks, its second reading (``rereading``): the
+        cache takes its scores, the caller each row's first reading (K/V and logits), if it wants."""
         self.cache.expect([len(p) for p in prompts])
-        if self.cache.rereading():
-            self._reread(prompts)
-
-    def _reread(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Give the cache, for each rereading layer, the most attention a second reading of each
-        row's prompt (fed right after itself, alone, over a ``full`` cache) paid each of its tokens."""
-        layers = self.cache.rereading()
-        rows: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-        for prompt in prompts:
-            reading, peaks = Batch(self.model, reference()), {}
-            for i in layers:
-                reading.cache.layers[i].observer = observer(peaks, i, reading.cache.layers[i], len(prompt))
-            reading.prefill([list(prompt) * 2], pad_id=0)  # one row alone: never padded
-            for i in layers:
-                rows[i].append(peaks[i])
-        self.cache.give_prompt_scores(*score_tables(rows, prompts, self.device))
+        if not (layers := self.cache.rereading()):
+            return []
+        fresh, chunk = (lambda: Batch(self.model, reference())), self.cache.reread_chunk()
+        *scores, firsts = second_readings(fresh, prompts, layers, chunk, self.device, self.readings)
+        self.cache.give_prompt_scores(*scores)
+        return firsts
 
     def prompt_read(self) -> None:
         """The prompt is in the cache: its second reading's scores are no longer needed."""
@@ -188,8 +190,7 @@ class Batch:
         return positions, new_real, counts
 
     def _mask(self, b: int) -> torch.Tensor:
-        """A 4-D mask handed to the model so that transformers builds none: infinikv's attention
-        builds its own from the slots."""
+        """A 4-D mask for the model, so that transformers builds none (infinikv's attention builds its own)."""
         if b not in self._all_real:
             self._all_real[b] = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device)
         return self._all_real[b]

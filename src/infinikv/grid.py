@@ -118,7 +118,7 @@ class Worker:
         self.name, self.weights, self.progress = model, weights, progress
         self.model, self.tokenizer = loaded or models.load_model(model, device=device, weights=weights)
         self.inputs: dict[tuple, Any] = {}
-        self._reads: tuple[tuple, dict] = ((), {})  # one set of inputs and its prompts' readings
+        self._reads: tuple[tuple, Any] = ((), None)  # one set of inputs and its prompts' readings
 
     def run(self, cell: Cell) -> dict:
         from .policies import parse_spec
@@ -137,12 +137,14 @@ class Worker:
             self.inputs[key] = make()
         return self.inputs[key]
 
-    def reads(self, key: tuple) -> dict:
-        """The prompt readings the cells of inputs ``key`` share (``eval.prompt_reads``). Cells
+    def reads(self, key: tuple):
+        """The prompt readings the cells of inputs ``key`` share (``eval.prompt_reads.Reads``). Cells
         run input by input (every policy of a task in turn), so one set is kept, as much K/V as
         ``full`` holds for all its prompts; a cell of other inputs drops it."""
+        from .eval.prompt_reads import Reads
+
         if self._reads[0] != key:
-            self._reads = (key, {})
+            self._reads = (key, Reads())
         return self._reads[1]
 
     def text(self, name: str, from_chapter_one: bool = True) -> str:

@@ -39,6 +39,10 @@ class KVCache(Cache):
         """The layers whose rule scores a prompt by a second reading of it (``Rule.rereads``)."""
         return [i for i, layer in enumerate(self.layers) if layer.evictor and layer.evictor.rule.rereads]
 
+    def reread_chunk(self) -> int:
+        """Tokens of a prompt fed again per forward of its second reading (the rule's ``reread_chunk``)."""
+        return self.layers[self.rereading()[0]].evictor.rule.params["reread_chunk"]
+
     def give_prompt_scores(self, tables: dict[int, torch.Tensor] | None, lengths: torch.Tensor | None) -> None:
         """Hand each rereading layer its prompt scores ``(b, h, T)`` (None: the prompt is read), and
         its part of the budget where the rule spreads it over the layers (``Rule.spread``)."""

@@ -167,8 +167,10 @@ class KVLayer(CacheLayerMixin):
 
     def take(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store this forward's K/V (b, h, q, d) as computed by a layer that ``reads_as_full``,
-        without attending: the model need not run again for a prompt read once."""
+        without attending: the model need not run again for a prompt read once. A rule that scores
+        without attention (``Rule.rereads``) evicts as the forward would have."""
         self.update(key_states, value_states)
+        self.cut()
         self.finish()
 
     def get_seq_length(self) -> int:
@@ -202,12 +204,17 @@ class KVLayer(CacheLayerMixin):
                 out = attention.masked(query, key, value, visible, bias, scaling)
         if self.observer is not None:
             self.observer(query, scaling, *self.attended_positions(key.shape[2]))
-        if plan.eviction.count:
-            self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length, self.spill)
-        self.slots.settle(compact=plan.eviction.count > self.slots.per_token)  # more than a token's slots
+        self.cut()
         self.clock.stop("attend", started)
         self.finish()
         return out
+
+    def cut(self) -> None:
+        """The planned eviction, after this forward's K/V are stored."""
+        plan = self.plan
+        if plan.eviction.count:
+            self.evictor.evict(self.slots, self.positions[:, -1], plan.eviction, plan.write.length, self.spill)
+        self.slots.settle(compact=plan.eviction.count > self.slots.per_token)  # more than a token's slots
 
     def finish(self) -> None:
         """This forward's tokens are stored (and attended): its copies from the slow tier are done."""

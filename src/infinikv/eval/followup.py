@@ -98,7 +98,7 @@ def run_followup(
     the accuracy (``string_match_all``, in [0, 1]), the K/V held per conversation after the answer
     (bytes) and the share of the tokens seen that its decode steps attended (mean over steps).
     ``reads``: first prompts read by an earlier cell, shared as ``ruler_run.run_cell`` shares them."""
-    reads = {} if reads is None else reads
+    reads = Reads() if reads is None else reads
     taken = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()

@@ -36,7 +36,7 @@ def run_cell(
     the samples hide needles, the share of them each layer attended (``trace.NeedleTrace``).
     ``reads``: prompts read by an earlier cell, shared (``prompt_reads``); the row counts
     in ``prompts_taken`` the batches that took theirs there, whose reading its ``seconds`` omit."""
-    reads = {} if reads is None else reads
+    reads = Reads() if reads is None else reads
     taken = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()

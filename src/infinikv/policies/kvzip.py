@@ -3,7 +3,9 @@ Compression with Context Reconstruction", 2025). The prompt is scored once, by t
 model pays it while reading it a second time (``rules.Reread``), and cut to the budget: no
 question is in sight when the score is taken, so what is kept serves any later one (a document
 loaded once and asked about several times), where ``snapkv`` keeps what its first question looked
-at. The memory held is the budget; the extra cost is a prefill of twice the prompt.
+at. The memory held is the budget. The extra cost is the prompt fed again over its first reading
+(in chunks of ``reread_chunk`` tokens, as KVzip does), about one more prefill of it: the cache
+stores the first reading's K/V, so the prompt itself is read once.
 
 As KVzip does, each KV head keeps as many tokens as its scores earn (``heads=own``): a layer's
 K/V of all its heads share one pool of slots, one per token and head, and the lowest go. The

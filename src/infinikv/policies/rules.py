@@ -150,10 +150,11 @@ class Reread(Rule):
     model reads the prompt a second time, right after the first (the second copy is predicted by
     copying from the first, so what it needs is what reconstructing the context needs; read with
     no later question in sight, the score serves any question). The decode core runs that reading
-    (``rereading``). Tokens after the prompt (answers, a conversation's next questions) are kept
-    while among the newest ``recent_tokens``, the prompt giving way to them lowest score first;
-    older ones go before any prompt token, oldest first: what was read stays, as in a
-    conversation about one document.
+    (``rereading``), ``reread_chunk`` tokens of the copy at a time, each over the first reading
+    only. Tokens after the prompt (answers, a conversation's next questions) are kept while among
+    the newest ``recent_tokens``, the prompt giving way to them lowest score first; older ones go
+    before any prompt token, oldest first: what was read stays, as in a conversation about one
+    document.
 
     The budget is spread over the layers as KVzip spreads it: one threshold over the scores of
     every layer and KV head keeps the budget's share of them, and each layer keeps, of its even
@@ -180,6 +181,13 @@ class Reread(Rule):
             "model",
             "kvzip: one threshold over every layer's scores (model, KVzip's) or each layer its own top share (layer)",
             lambda s: s in ("model", "layer"),
+        ),
+        Option(
+            "reread_chunk",
+            int,
+            2048,
+            "kvzip: prompt tokens fed again per forward of its second reading, each over the first reading (>= 1)",
+            lambda n: n >= 1,
         ),
     )
     floor = 0.1  # of an even share, kept by every layer
