@@ -10,17 +10,18 @@ from transformers import LlamaForCausalLM
 from infinikv import Batch, make_policy
 from infinikv.errors import InfinikvError
 from infinikv.eval.trace import NeedleTrace
-from infinikv.kv.attend import peak_attention
+from infinikv.kv import attend
 from infinikv.policies.rules import layer_parts
 
 
-def test_peak_attention_is_the_most_any_later_query_pays_each_key():
+@pytest.mark.parametrize("block_bytes", [attend.PEAK_BLOCK_BYTES, 0])  # 0: blocks of 16 queries, then 4
+def test_peak_attention_is_the_most_any_later_query_pays_each_key(block_bytes):
     b, heads, kv_heads, length, d, queries = 2, 4, 2, 50, 8, 20
     keys, every_query = torch.randn(b, kv_heads, length, d), torch.randn(b, heads, length, d)
     logits = every_query @ keys.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) * 0.3
     probs = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     expected = probs[:, :, -queries:, :40].view(b, kv_heads, 2, queries, 40).amax((2, 3))
-    got = peak_attention(every_query[:, :, -queries:], keys, 0.3, upto=40)
+    got = attend.peak_attention(every_query[:, :, -queries:], keys, 0.3, 40, block_bytes)
     assert torch.allclose(got, expected, atol=1e-6)
 
 
