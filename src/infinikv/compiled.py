@@ -38,6 +38,7 @@ import torch
 
 from . import native
 from .errors import InfinikvError
+from .forward import forward
 from .paths import home
 from .policies import Policy
 from .sizes import model_device
@@ -48,7 +49,7 @@ SIZE_OPTIONS = ("budget", "capacity", "kv_memory")  # shape the slots only: not 
 
 def decode(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
     """One decode step's forward (what is compiled): next-token logits (b, V)."""
-    return model(input_ids=ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True).logits[:, -1]
+    return forward(model, cache, ids, positions, mask)
 
 
 @functools.cache

@@ -23,6 +23,7 @@ import torch
 from . import compiled
 from .cache import GroupedCache, KVCache, join, keep, row_slices
 from .errors import InfinikvError
+from .forward import forward
 from .policies import Policy, reference
 from .rereading import FirstReading, Readings, left_padded, second_readings
 from .sampling import Sampling, next_tokens, until_stop
@@ -162,17 +163,9 @@ class Batch:
         positions, new_real, counts = self._place(q, real)
         self.cache.begin(q, positions, new_real, counts)
         try:
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=self.cache,
-                attention_mask=self._mask(b),
-                use_cache=True,
-                logits_to_keep=0 if keep_all else 1,
-            )
+            return forward(self.model, self.cache, ids, positions, self._mask(b), keep_all)
         finally:
             self.cache.end()
-        return out.logits if keep_all else out.logits[:, -1]
 
     def _place(self, q: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """The positions (b, q), which are real (None: all) and how many per row of the next ``q``
@@ -251,11 +244,10 @@ def step_together(batches: list[Batch], tokens: list[torch.Tensor]) -> list[torc
         batch.next_position = batch.next_position + 1
     mask, cache = batches[0]._mask(ids.shape[0]), GroupedCache([b.cache for b in batches])
     try:
-        out = model(input_ids=ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True)
+        logits = forward(model, cache, ids, positions, mask)
     finally:
         for batch in batches:
             batch.cache.end()
-    logits = out.logits[:, -1]
     return [logits[rows] for rows in row_slices([b.rows for b in batches])]
 
 

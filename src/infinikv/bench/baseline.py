@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..forward import forward
 from ..policies.base import KEEP_ALL_PREFILL_CHUNK
 from ..sizes import model_device
 
@@ -38,5 +39,4 @@ class DynamicBaseline:
         q = ids.shape[1]
         positions = torch.arange(self.position, self.position + q, device=self.device)[None]
         self.position += q
-        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        return forward(self.model, self.cache, ids, positions)
