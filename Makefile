@@ -58,8 +58,9 @@ demo: setup
 	$(BIN)/infinikv generate --chat --max-new-tokens 160 --temperature 0.7 --top-p 0.9 --seed 0 \
 		--prompt "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
+# The slowest tests are listed at the end: the suite has to stay under 12 minutes on 2 cores.
 test: setup-dev
-	$(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The documentation site, from docs/ and the docstrings, into site/ (a broken link fails the build).
 docs: $(DOCS_STAMP)
