@@ -174,6 +174,15 @@ def replica_pids() -> set[int]:
     return {pid for pid, line in ray_processes().items() if line.startswith("ray::ServeReplica")}
 
 
+def healthy(base: str) -> bool:
+    """/health answers 200 within 5 s. Serve's proxy holds a request while the replicas are still
+    loading their model, so a timeout there means "not yet", not "broken"."""
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.TimeoutException:
+        return False
+
+
 async def stream(
     client: httpx.AsyncClient, base: str, model: str, max_tokens: int, started: asyncio.Event, retries: int = 0
 ) -> str:
@@ -218,7 +227,7 @@ def test_serve_replicas_metrics_429_and_a_killed_replica(cluster, tiny_folder):
     server = subprocess.Popen([sys.executable, "-m", "infinikv.cli", *argv], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
-        while len(replica_pids()) < 2 or httpx.get(f"{base}/health", timeout=5).status_code != 200:
+        while len(replica_pids()) < 2 or not healthy(base):
             assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-2000:]
             time.sleep(1)
         while httpx.get(f"{base}/metrics", timeout=5).text.count("infinikv_decode_steps_total{replica=") < 2:
