@@ -94,9 +94,9 @@ def load_model(
     from ..attention import attach
     from ..weights import check_format, pack_weights
 
+    folder, gguf_file = resolve(model)  # a model not fetched says so before any kernel is built
     weights = check_format(resolve_weights(model, weights, device), device)
     hf_logging.disable_progress_bar()
-    folder, gguf_file = resolve(model)
     tokenizer = load_tokenizer(model)
     try:
         extra = {"gguf_file": gguf_file} if gguf_file else {}
