@@ -5,10 +5,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from infinikv import Batch, make_policy, policy_names
 from infinikv.contract import Budget
+from infinikv.core import step_together
+from infinikv.engine import encode_prompts
 from infinikv.errors import InfinikvError
 from infinikv.kv.slots import Slots
 from infinikv.policies import REGISTRY
@@ -86,27 +89,27 @@ def test_exact_when_the_budget_covers_everything(real, emma_ids, full_logits, na
         assert (again - reference).abs().max() < 1e-4
 
 
+def prefill_then_steps(batch: Batch, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A batch's logits over ``ids`` (1, 96): its first 80 tokens read in chunks of ``chunk``, then a
+    decode step for each of the rest."""
+    logits = [batch.prefill([ids[0, :80].tolist()], 0, chunk=chunk, keep_all=True)]
+    return torch.cat(logits + [batch.step(ids[:, i])[:, None] for i in range(80, ids.shape[1])], dim=1)
+
+
+@pytest.fixture(scope="module")
+def full_in_one_chunk(real, emma_ids):
+    with torch.inference_mode():
+        return prefill_then_steps(Batch(real[0], make_policy("full")), emma_ids[:, :96], chunk=80)
+
+
 @pytest.mark.parametrize("name", ALL)
 @torch.inference_mode()
-def test_chunked_prefill_is_exact_when_the_budget_covers_everything(real, emma_ids, name):
+def test_chunked_prefill_is_exact_when_the_budget_covers_everything(real, emma_ids, full_in_one_chunk, name):
     """The decode core's default: a prompt read in chunks (of 24 here, as a 512-token chunk reads a
     long prompt), then decode steps: each position's logits equal one-chunk ``full``'s."""
     model, tokenizer = real
-    ids = emma_ids[:, :110]
-    reference = Batch(model, make_policy("full"))
-    expected = torch.cat(
-        [reference.prefill([ids[0, :80].tolist()], 0, chunk=80, keep_all=True)]
-        + [reference.step(ids[:, i])[:, None] for i in range(80, 110)],
-        dim=1,
-    )
-    policy = whole(name, model, tokenizer)
-    batch = Batch(model, policy)
-    got = torch.cat(
-        [batch.prefill([ids[0, :80].tolist()], 0, chunk=24, keep_all=True)]
-        + [batch.step(ids[:, i])[:, None] for i in range(80, 110)],
-        dim=1,
-    )
-    assert (got - expected).abs().max() < TOLERANCE.get(name, 1e-4)
+    got = prefill_then_steps(Batch(model, whole(name, model, tokenizer)), emma_ids[:, :96], chunk=24)
+    assert (got - full_in_one_chunk).abs().max() < TOLERANCE.get(name, 1e-4)
 
 
 @pytest.mark.parametrize("name", BOUNDED)
@@ -243,12 +246,10 @@ def test_slots_fill_holes_before_growing():
     assert bool(slots.state["valid"][:, :, :4].all())
 
 
-@pytest.fixture(scope="module")
-def full_story(real):
-    from infinikv import Sampling, generate
-
-    model, tokenizer = real
-    return generate(model, tokenizer, STORY, make_policy("full"), Sampling(max_new_tokens=NEW), chat=True).token_ids[0]
+def bounded_and_full(model, capacity: int) -> dict[str, Batch]:
+    """A batch of each bounded policy at ``capacity``, and one of ``full``: the bar they are held to."""
+    policies = {"full": make_policy("full")} | {name: make_policy(name, capacity=capacity) for name in BOUNDED}
+    return {name: Batch(model, policy) for name, policy in policies.items()}
 
 
 STORY = "Write a long story about a girl who travels across the sea to find her lost brother."
@@ -256,47 +257,51 @@ NEW, CAPACITY = 120, 64  # greedy tokens, cache capacity: the prompt (~40 tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BOUNDED)
-def test_greedy_past_capacity_does_not_collapse(real, full_story, name):
-    """120 greedy tokens at capacity 64: no run of one repeated token, as varied as `full`.
+@torch.inference_mode()
+def test_greedy_past_capacity_does_not_collapse(real):
+    """120 greedy tokens at capacity 64, every bounded policy and `full` decoding together (one
+    forward a step, as the server batches them): no run of one repeated token, as varied as `full`.
 
     (This 135M model loops on phrases even with the full cache, so the bar is `full` itself.)
     """
-    from infinikv import Sampling, generate
-
     model, tokenizer = real
-    policy = make_policy(name, capacity=CAPACITY)
-    result = generate(model, tokenizer, STORY, policy, Sampling(max_new_tokens=NEW), chat=True)
-    tokens = result.token_ids[0]
-    assert len(tokens) == NEW and result.prompt_tokens[0] + NEW > CAPACITY + 80  # well past capacity
-    assert max(len(list(run)) for _, run in itertools.groupby(tokens)) < 8
-    assert len(set(tokens)) >= 0.8 * len(set(full_story))
+    prompt = encode_prompts(tokenizer, [STORY], chat=True)[0]
+    assert len(prompt) + NEW > CAPACITY + 80  # well past capacity
+    batches = bounded_and_full(model, CAPACITY)
+    tokens = [batch.prefill([prompt], 0).argmax(-1) for batch in batches.values()]
+    steps = [tokens]
+    for _ in range(NEW - 1):
+        tokens = [logits.argmax(-1) for logits in step_together(list(batches.values()), tokens)]
+        steps.append(tokens)
+    stories = {name: [int(step[i]) for step in steps] for i, name in enumerate(batches)}
+    for name, story in stories.items():
+        assert max(len(list(run)) for _, run in itertools.groupby(story)) < 8, name
+        assert len(set(story)) >= 0.8 * len(set(stories["full"])), name
 
 
 PAST = 145  # tokens of Emma teacher-forced: 97 past a capacity of 48
 
 
-@pytest.fixture(scope="module")
-def full_emma_perplexity(real, emma_ids) -> float:
-    """``full``'s teacher-forced perplexity of Emma's tokens 33..145 after the first 32."""
-    from infinikv.eval.ppl import perplexity
-
-    return perplexity(real[0], emma_ids[:, :PAST], make_policy("full"), context=32, progress=False)["perplexity"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BOUNDED)
-def test_positions_advance_past_eviction(real, emma_ids, full_emma_perplexity, name):
-    """Teacher-forced perplexity on real text stays near `full` long after the cache is full.
+@torch.inference_mode()
+def test_positions_advance_past_eviction(real, emma_ids):
+    """Teacher-forced perplexity on real text stays near `full` long after the cache is full: every
+    bounded policy at capacity 48 and `full` read Emma's tokens 33..145 after the first 32, together.
 
     With positions stuck at the stored length, this perplexity is several times `full`'s.
     """
-    from infinikv.eval.ppl import perplexity
-
-    model, _ = real
-    ours = perplexity(model, emma_ids[:, :PAST], make_policy(name, capacity=48), context=32, progress=False)
-    assert ours["perplexity"] < 1.6 * full_emma_perplexity
-    assert ours["attended_tokens"] <= 49
+    batches = bounded_and_full(real[0], 48)
+    for batch in batches.values():
+        batch.extend(emma_ids[:, :32])
+    nll = torch.zeros(len(batches), dtype=torch.float64)
+    for i in range(32, PAST - 1):
+        logits = step_together(list(batches.values()), [emma_ids[:, i]] * len(batches))
+        nll += torch.stack([F.cross_entropy(row[0].double(), emma_ids[0, i + 1]) for row in logits])
+    perplexity = dict(zip(batches, torch.exp(nll / (PAST - 33)).tolist(), strict=True))
+    for name, batch in batches.items():
+        assert perplexity[name] < 1.6 * perplexity["full"], (name, perplexity)
+        counts, _ = batch.cache.attended()
+        assert name == "full" or sum(counts) / len(counts) <= 49, (name, counts)
 
 
 @pytest.mark.parametrize("name", ALL)
