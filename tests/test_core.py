@@ -94,16 +94,16 @@ def test_a_steady_decode_step_never_reads_the_device(real, emma_ids, name, optio
     steps of the bundled model with a batch of two: none."""
     model, _ = real
     batch = Batch(model, make_policy(name, **options))
-    ids = emma_ids[:, :140].expand(2, -1)
-    batch.feed(ids[:, :100])
-    for i in range(100, 103):
+    ids = emma_ids[:, :70].expand(2, -1)
+    batch.feed(ids[:, :64])  # past the bounded policies' 48 tokens: every step evicts
+    for i in range(64, 66):
         batch.step(ids[:, i])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(103, 107):
+        for i in range(66, 68):
             batch.step(ids[:, i])
-    reads = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense")}
-    assert reads == {}
-    assert any(e.key == "aten::mm" or e.key == "aten::addmm" for e in prof.key_averages())  # it did profile
+    counts = {e.key: e.count for e in prof.key_averages()}  # seconds of parsing: once
+    assert [key for key in counts if key in ("aten::item", "aten::_local_scalar_dense")] == []
+    assert counts.get("aten::mm", 0) + counts.get("aten::addmm", 0) > 0  # it did profile
 
 
 @torch.inference_mode()
@@ -119,9 +119,9 @@ def test_a_two_tier_decode_step_never_reads_the_device(real, emma_ids, name, opt
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(101, 104):
             batch.step(emma_ids[:, i])
-    reads = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense")}
-    assert reads == {}
-    selected = sum(e.count for e in prof.key_averages() if e.key == "aten::index_select")
+    counts = {e.key: e.count for e in prof.key_averages()}  # seconds of parsing: once
+    assert [key for key in counts if key in ("aten::item", "aten::_local_scalar_dense")] == []
+    selected = counts.get("aten::index_select", 0)
     assert selected >= (3 * 30 * 2 if name == "infinigen" else 0)  # it profiled the fetch: K and V rows per layer
 
 
