@@ -5,11 +5,12 @@ what the model is asked for."""
 from __future__ import annotations
 
 import torch
+from transformers import Cache
 
 
 def forward(
     model: torch.nn.Module,
-    cache,
+    cache: Cache,
     ids: torch.Tensor,
     positions: torch.Tensor,
     mask: torch.Tensor | None = None,
