@@ -7,6 +7,7 @@ import torch
 
 from infinikv import models
 from infinikv.paths import models_dir
+from test_policies import greedy_together
 
 
 @pytest.mark.slow
@@ -44,7 +45,6 @@ def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
     identical, all policies decoding together in one forward per step (the server's mixed-policy
     batching); quant (lossy by design) teacher-forced over the same tokens within its tolerance."""
     from infinikv import Batch, load_model, make_policy, policy_names
-    from infinikv.core import step_together
     from infinikv.data import load_text
     from infinikv.policies import REGISTRY
     from infinikv.policies.calibration import calibrate
@@ -73,10 +73,5 @@ def test_every_policy_keeping_everything_is_exact_on_the_real_model(name):
         if policy.needs_preparation:  # any calibration serves: a short one, in memory, shared
             policy.prep = prep = prep or calibrate(model, prompt[:, :128])
         batches[policy_name] = Batch(model, policy)
-    tokens = [batch.prefill([prompt[0].tolist()], pad_id=0).argmax(-1) for batch in batches.values()]
-    steps = [tokens]
-    for _ in range(NEW - 1):
-        tokens = [logits.argmax(-1) for logits in step_together(list(batches.values()), tokens)]
-        steps.append(tokens)
-    for i, policy_name in enumerate(batches):
-        assert [int(step[i]) for step in steps] == reference, policy_name
+    for policy_name, tokens in greedy_together(batches, prompt[0].tolist(), NEW).items():
+        assert tokens == reference, policy_name

@@ -252,6 +252,17 @@ def bounded_and_full(model, capacity: int) -> dict[str, Batch]:
     return {name: Batch(model, policy) for name, policy in policies.items()}
 
 
+def greedy_together(batches: dict[str, Batch], prompt: list[int], new: int) -> dict[str, list[int]]:
+    """Each batch's ``new`` greedy tokens after ``prompt``, every batch decoding in one forward a
+    step (``step_together``, the server's mixed-policy batching)."""
+    tokens = [batch.prefill([prompt], 0).argmax(-1) for batch in batches.values()]
+    steps = [tokens]
+    for _ in range(new - 1):
+        tokens = [logits.argmax(-1) for logits in step_together(list(batches.values()), tokens)]
+        steps.append(tokens)
+    return {name: [int(step[i]) for step in steps] for i, name in enumerate(batches)}
+
+
 STORY = "Write a long story about a girl who travels across the sea to find her lost brother."
 NEW, CAPACITY = 120, 64  # greedy tokens, cache capacity: the prompt (~40 tokens) + 120 is well past 64
 
@@ -267,13 +278,7 @@ def test_greedy_past_capacity_does_not_collapse(real):
     model, tokenizer = real
     prompt = encode_prompts(tokenizer, [STORY], chat=True)[0]
     assert len(prompt) + NEW > CAPACITY + 80  # well past capacity
-    batches = bounded_and_full(model, CAPACITY)
-    tokens = [batch.prefill([prompt], 0).argmax(-1) for batch in batches.values()]
-    steps = [tokens]
-    for _ in range(NEW - 1):
-        tokens = [logits.argmax(-1) for logits in step_together(list(batches.values()), tokens)]
-        steps.append(tokens)
-    stories = {name: [int(step[i]) for step in steps] for i, name in enumerate(batches)}
+    stories = greedy_together(bounded_and_full(model, CAPACITY), prompt, NEW)
     for name, story in stories.items():
         assert max(len(list(run)) for _, run in itertools.groupby(story)) < 8, name
         assert len(set(story)) >= 0.8 * len(set(stories["full"])), name
