@@ -725,46 +725,49 @@ def test_conversations_survive_a_kill_under_load(tiny_folder):
 
 def test_conversations_outlive_the_server_in_its_store(tiny_folder, tmp_path):
     """With --store, a conversation that leaves RAM (here at once: --keep-conversations 0) is
-    written to disk and its next turn restores it (cached_tokens), after a clean stop and after a
-    SIGKILL, with the answer the conversation gets continued in RAM; a damaged entry is prefilled."""
+    written to disk and its next turn restores it (cached_tokens), after a SIGKILL and after a
+    clean stop, with the answer the conversation gets continued in RAM; a damaged entry is prefilled."""
     store = ["--store", str(tmp_path / "store"), "--store-kv", "fp32", "--kv-memory", "16MiB"]
     ask = {"model": str(tiny_folder), "max_tokens": 6, "temperature": 0}
-    prompt = "one two three four five six seven"
+    prompts = ["one two three four five six seven", "alpha beta gamma delta epsilon"]
 
     def turn(base: str, text: str):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
         return client.completions.create(prompt=text, **ask)
 
+    def entries() -> set:
+        return set((tmp_path / "store").glob("*.safetensors"))
+
     with running_server(str(tiny_folder), ["--kv-memory", "16MiB"]) as (base, _):  # in RAM, no store
-        first = turn(base, prompt)
-        following = prompt + first.choices[0].text + " eight nine"
-        in_ram = turn(base, following)
-        assert in_ram.usage.prompt_tokens_details.cached_tokens > 0
+        following = [prompt + turn(base, prompt).choices[0].text + " eight nine" for prompt in prompts]
+        in_ram = [turn(base, text) for text in following]
+        assert all(answer.usage.prompt_tokens_details.cached_tokens > 0 for answer in in_ram)
+
     with running_server(str(tiny_folder), [*store, "--keep-conversations", "0"]) as (base, server):
-        turn(base, prompt)
+        turn(base, prompts[0])
         m = wait_for(base, lambda m: m["infinikv_store_writes_total"] == 1)
         assert m["infinikv_store_conversations"] == 1 and m["infinikv_conversations_kept"] == 0
+        first_entry = entries()
+        turn(base, prompts[1])
+        wait_for(base, lambda m: m["infinikv_store_writes_total"] == 2)
         server.kill()  # no clean stop: what was written before survives
         server.wait()
+    (damaged,) = entries() - first_entry
+    damaged.write_bytes(damaged.read_bytes()[:100])
     with running_server(str(tiny_folder), [*store, "--keep-conversations", "4"]) as (base, _):
-        restored = turn(base, following)
-        assert restored.usage.prompt_tokens_details.cached_tokens == in_ram.usage.prompt_tokens_details.cached_tokens
-        assert restored.choices[0].text == in_ram.choices[0].text
+        restored = turn(base, following[0])
+        assert restored.usage.prompt_tokens_details.cached_tokens == in_ram[0].usage.prompt_tokens_details.cached_tokens
+        assert restored.choices[0].text == in_ram[0].choices[0].text
+        fresh = turn(base, following[1])  # its entry damaged: prefilled, answered as in RAM
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        assert fresh.choices[0].text == in_ram[1].choices[0].text
         m = metrics(base)
-        assert m["infinikv_store_restores_total"] == 1 and m["infinikv_store_conversations"] == 0
-        assert m["infinikv_store_inherited"] == m["infinikv_store_resumed_total"] == 1  # written before the kill
-        assert m["infinikv_conversations_kept"] == 1  # back in RAM, until the server stops
-    third = following + restored.choices[0].text + " ten"
+        assert m["infinikv_store_restores_total"] == 1 and m["infinikv_store_failures_total"] == 1
+        assert m["infinikv_store_conversations"] == 0  # both entries left the store: one restored, one dropped
+        assert m["infinikv_store_inherited"] == 2 and m["infinikv_store_resumed_total"] == 1  # written before the kill
+        assert m["infinikv_conversations_kept"] == 2  # back in RAM, until the server stops
+    third = following[0] + restored.choices[0].text + " ten"
     with running_server(str(tiny_folder), store) as (base, _):  # the clean stop above wrote it
         answer = turn(base, third)
         assert answer.usage.prompt_tokens_details.cached_tokens > restored.usage.prompt_tokens_details.cached_tokens
         assert metrics(base)["infinikv_store_restores_total"] == 1
-    damaged = ["--store", str(tmp_path / "damaged"), "--kv-memory", "16MiB", "--keep-conversations", "0"]
-    with running_server(str(tiny_folder), damaged) as (base, _):
-        turn(base, prompt)
-    for entry in (tmp_path / "damaged").glob("*.safetensors"):
-        entry.write_bytes(entry.read_bytes()[:100])
-    with running_server(str(tiny_folder), damaged) as (base, _):
-        fresh = turn(base, following)
-        assert fresh.usage.prompt_tokens_details.cached_tokens == 0 and fresh.choices[0].text == in_ram.choices[0].text
-        assert metrics(base)["infinikv_store_failures_total"] == 1
