@@ -139,14 +139,11 @@ def test_bundled_model_in_int8_predicts_as_fp32_does(real, real_int8, emma_ids):
 
 @pytest.fixture(scope="module")
 def full_logits_both(real, real_int8, emma_ids):
-    """``full``'s logits over Emma's first 120 tokens under fp32 and under int8 weights."""
-    from test_policies import forward_loop
+    """``full``'s ``emma_loop`` logits under fp32 and under int8 weights."""
+    from test_policies import emma_loop
 
     with torch.inference_mode():
-        return [
-            forward_loop(m, emma_ids[:, :120], make_policy("full").make_cache(m), 80, chunk=16)
-            for m, _ in (real, real_int8)
-        ]
+        return [emma_loop(m, emma_ids, make_policy("full").make_cache(m)) for m, _ in (real, real_int8)]
 
 
 @pytest.mark.parametrize("name", ["bct", "sink", "h2o", "snapkv", "infinigen", "offload", "recall"])
@@ -156,16 +153,16 @@ def test_policies_match_full_under_int8(real_int8, emma_ids, full_logits_both, n
 
     Each packed matmul rounds its input to bf16, so a 1e-6 difference in an attention output
     (the policies that read attention scores compute it with their own kernel: h2o, snapkv, bct's
-    rule, recall) can flip a rounding and grow through the layers. Measured: those differ from
-    `full` by 0.051 mean / 0.47 max logit (the same for the four) where int8 itself moves fp32's
-    logits by 0.22 / 2.0; sink, infinigen and offload, attending as `full` does, are exact.
+    rule, recall) could flip a rounding and grow through the layers. Measured over ``emma_loop``:
+    those differ from `full` by 5e-6 mean / 5e-5 max logit (the same for the four) where int8 itself
+    moves fp32's logits by 0.20 / 1.56; sink, attending as `full` does, is exact.
     The bar: a policy adds at most a third of what the format costs, and picks the same token.
     """
-    from test_policies import forward_loop, whole
+    from test_policies import emma_loop, whole
 
     model, tokenizer = real_int8
     fp32, reference = full_logits_both
-    ours = forward_loop(model, emma_ids[:, :120], whole(name, model, tokenizer).make_cache(model), 80, chunk=16)
+    ours = emma_loop(model, emma_ids, whole(name, model, tokenizer).make_cache(model))
     gap, format_gap = (ours - reference).abs().mean(), (reference - fp32).abs().mean()
     assert gap < format_gap / 3, f"{name} moves int8 full's logits by {gap:.3f}, the format by {format_gap:.3f}"
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.98
