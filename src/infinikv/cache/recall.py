@@ -82,18 +82,25 @@ class RecallLayer(KVLayer):
         started = self.clock.start()
         fetched = self.tiers.fetched[2]
         length, q = plan.write.length, query.shape[2]
-        if q == 1:
-            visible = self.tiers.visibility(self.slots.state["valid"][:, :, :length])
-        else:  # a prefill chunk: every pooled token, and the fast tier causally
-            visible = self.tiers.visibility_beside(self.own_visibility(q, length))
         bias = evictor.bias(self.slots, length)
-        if bias is not None:
-            bias = torch.nn.functional.pad(bias, (fetched, 0))
-        if evictor.observes:  # the fast tier's rule sees the attention its own slots got
-            out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, False, evictor.watched)
-            evictor.observe(self.slots, mass[..., fetched:], last[..., fetched:], q)
+        if q > 1 and evictor.observes:  # a prefill chunk: every pooled token, the fast tier causally
+            own, pooled = self.own_visibility(q, length), self.tiers.fetched[1]
+            out, mass, last = attention.weighted_beside(
+                query, key, value, fetched, pooled, own, bias, scaling, evictor.watched
+            )
+            evictor.observe(self.slots, mass, last, q)  # the fast tier's rule sees what its own slots got
         else:
-            out = attention.masked(query, key, value, visible, bias, scaling)
+            if q == 1:
+                visible = self.tiers.visibility(self.slots.state["valid"][:, :, :length])
+            else:
+                visible = self.tiers.visibility_beside(self.own_visibility(q, length))
+            if bias is not None:
+                bias = torch.nn.functional.pad(bias, (fetched, 0))
+            if evictor.observes:
+                out, mass, last = attention.weighted(query, key, value, visible, bias, scaling, False, evictor.watched)
+                evictor.observe(self.slots, mass[..., fetched:], last[..., fetched:], q)
+            else:
+                out = attention.masked(query, key, value, visible, bias, scaling)
         if self.observer is not None:
             self.observer(query, scaling, *self.attended_positions(key.shape[2]))
         if plan.eviction.count:

@@ -145,6 +145,64 @@ def weighted(
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last
 
 
+def weighted_beside(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pooled: int,
+    pooled_visible: torch.Tensor | None,
+    visible: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: float,
+    watched: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weighted`` for a prefill chunk over rows fetched from a pool beside a tier's own slots,
+    where only the own slots' probability mass is wanted (what ``recall``'s fast tier observes).
+
+    query (b, H, q, d); key/value (b, h, k + L, d): the ``pooled`` = k fetched rows, then the L own
+    slots; pooled_visible (b, h or 1, k) bool or None (all): the same for every query, as every
+    fetched row precedes the chunk; visible (b, h or 1, q, L) and bias (b, h, L) or None: the own
+    slots'. Returns the output (b, H, q, d) and the own slots' mass (b, h, L), of all queries and of
+    the newest ``watched``. On the CPU the pooled rows go through one fused attention that returns
+    its log-sum-exp, and only the (q, L) weights of the own slots exist: at a 16k prompt's end the
+    pool is 95% of the keys (measured, 512 queries beside 12,000 pooled rows: 1.43 s against 4.29 s)."""
+    if pooled == 0:
+        return weighted(query, key, value, visible, bias, scaling, False, watched)
+    if query.device.type != "cpu":
+        b, _, q, _ = query.shape
+        if pooled_visible is None:
+            pooled_visible = torch.ones(b, 1, pooled, dtype=torch.bool, device=query.device)
+        heads = max(pooled_visible.shape[1], visible.shape[1])
+        every = torch.cat([pooled_visible[:, :, None].expand(b, heads, q, -1), visible.expand(b, heads, q, -1)], -1)
+        if bias is not None:
+            bias = F.pad(bias, (pooled, 0))
+        out, mass, last = weighted(query, key, value, every, bias, scaling, False, watched)
+        return out, mass[..., pooled:], last[..., pooled:]
+    b, n_heads, q, d = query.shape
+    h = key.shape[1]
+    g = n_heads // h
+    rows = grouped(query, h).reshape(b, h, g * q, d)
+    mask = None
+    if pooled_visible is not None:
+        hidden = ~pooled_visible[:, :, None]
+        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+    out_pooled, lse_pooled = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        rows, key[:, :, :pooled], value[:, :, :pooled], attn_mask=mask, scale=scaling
+    )
+    if pooled_visible is not None:  # a row that sees no pooled key: the kernel says 0, it is -inf
+        lse_pooled = lse_pooled.masked_fill(~pooled_visible.any(-1, keepdim=True), float("-inf"))
+    lse_pooled = lse_pooled.view(b, h, g, q, 1)
+    logits = torch.matmul(rows * scaling, key[:, :, pooled:].transpose(-1, -2)).view(b, h, g, q, -1).float()
+    if bias is not None:
+        logits = logits + bias[:, :, None, None, :]
+    logits = logits.masked_fill_(~visible[:, :, None], float("-inf"))
+    total = torch.logaddexp(lse_pooled, logits.logsumexp(-1, keepdim=True))
+    probs = (logits - total).exp_()
+    out = torch.matmul(probs.to(value.dtype).view(b, h, g * q, -1), value[:, :, pooled:]).view(b, h, g, q, d)
+    out = out + out_pooled.view(b, h, g, q, d) * (lse_pooled - total).exp().to(out.dtype)
+    return out.view(b, n_heads, q, d), probs.sum((2, 3)), probs[:, :, :, max(0, q - watched) :].sum((2, 3))
+
+
 def peak_attention(
     query: torch.Tensor, key: torch.Tensor, scaling: float, upto: int, block_bytes: int = PEAK_BLOCK_BYTES
 ) -> torch.Tensor:
