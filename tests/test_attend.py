@@ -38,11 +38,12 @@ def test_weighted_attention_is_the_textbook_formula_over_several_blocks(causal, 
 
 @pytest.mark.parametrize("pooled_heads", [None, 1, 2])  # every pooled row visible; one mask for both heads; one each
 def test_attention_beside_a_pool_is_the_textbook_formula_over_pool_and_own_slots(pooled_heads):
-    """``weighted_beside``: a prefill chunk's queries over 300 pooled rows (some hidden, all of them
-    for one row's head) and 40 own slots (causal, with a bias): the output over both, the mass of
-    the own slots, as the textbook computes them over the concatenation."""
+    """``weighted_beside``: a prefill chunk's queries (two blocks) over 300 pooled rows (some hidden,
+    all of them for one row's head) and 100 own slots (causal, with a bias): the output over both,
+    the mass of the own slots (of the newest 30 queries: both blocks), as the textbook computes
+    them over the concatenation."""
     torch.manual_seed(0)
-    b, heads, kv_heads, q, d, pooled, own = 2, 4, 2, 24, 16, 300, 40
+    b, heads, kv_heads, q, d, pooled, own = 2, 4, 2, attend.QUERY_CHUNK + 24, 16, 300, 100
     query = torch.randn(b, heads, q, d)
     key, value = torch.randn(b, kv_heads, pooled + own, d), torch.randn(b, kv_heads, pooled + own, d)
     pooled_visible = None if pooled_heads is None else torch.rand(b, pooled_heads, pooled) > 0.3
@@ -50,14 +51,14 @@ def test_attention_beside_a_pool_is_the_textbook_formula_over_pool_and_own_slots
         pooled_visible[1, 0] = False  # this row's first head sees no pooled key: its weights are all its own
     visible = torch.ones(own, own, dtype=torch.bool).tril(own - q)[-q:].expand(b, 1, q, own)
     bias = torch.randn(b, kv_heads, own)
-    out, mass, last = attend.weighted_beside(query, key, value, pooled, pooled_visible, visible, bias, 0.3, 3)
+    out, mass, last = attend.weighted_beside(query, key, value, pooled, pooled_visible, visible, bias, 0.3, 30)
     every = torch.ones(b, kv_heads, q, pooled, dtype=torch.bool)
     if pooled_visible is not None:
         every &= pooled_visible[:, :, None]
     every = torch.cat([every, visible.expand(b, kv_heads, q, own)], -1)
     full_bias = torch.nn.functional.pad(bias, (pooled, 0))
     g = heads // kv_heads
-    want_out, want_mass, want_last = textbook(query, key, value, every.repeat_interleave(g, 1), 0.3, 3, full_bias)
+    want_out, want_mass, want_last = textbook(query, key, value, every.repeat_interleave(g, 1), 0.3, 30, full_bias)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mass, want_mass[..., pooled:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last, want_last[..., pooled:], atol=1e-5, rtol=1e-5)
