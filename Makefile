@@ -60,7 +60,7 @@ demo: setup
 
 # The slowest tests are listed at the end: the suite has to stay under 12 minutes on 2 cores.
 test: setup-dev
-	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The documentation site, from docs/ and the docstrings, into site/ (a broken link fails the build).
 docs: $(DOCS_STAMP)
