@@ -83,7 +83,8 @@ class RecallLayer(KVLayer):
         fetched = self.tiers.fetched[2]
         length, q = plan.write.length, query.shape[2]
         bias = evictor.bias(self.slots, length)
-        if q > 1 and evictor.observes:  # a prefill chunk: every pooled token, the fast tier causally
+        if q > 1 and evictor.observes and attention.fuses_beside(query):
+            # a prefill chunk: the pool read in one fused attention, only the fast tier's weights made
             own, pooled = self.own_visibility(q, length), self.tiers.fetched[1]
             out, mass, last = attention.weighted_beside(
                 query, key, value, fetched, pooled, own, bias, scaling, evictor.watched

@@ -147,6 +147,11 @@ def weighted(
     return torch.cat(outputs, dim=3).flatten(1, 2), mass, last
 
 
+def fuses_beside(query: torch.Tensor) -> bool:
+    """``weighted_beside`` runs for ``query``'s device (its fused kernel is the CPU's)."""
+    return query.device.type == "cpu"
+
+
 def weighted_beside(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,21 +170,12 @@ def weighted_beside(
     slots; pooled_visible (b, h or 1, k) bool or None (all): the same for every query, as every
     fetched row precedes the chunk; visible (b, h or 1, q, L) and bias (b, h, L) or None: the own
     slots'. Returns the output (b, H, q, d) and the own slots' mass (b, h, L), of all queries and of
-    the newest ``watched``. On the CPU the pooled rows go through one fused attention that returns
-    its log-sum-exp, and only the (q, L) weights of the own slots exist: at a 16k prompt's end the
-    pool is 95% of the keys (measured, 512 queries beside 12,000 pooled rows: 1.02 s against ``weighted``'s 3.85 s)."""
+    the newest ``watched``. The pooled rows go through one fused attention that returns its
+    log-sum-exp (torch's CPU kernel: see ``fuses_beside``), and only the (q, L) weights of the own
+    slots exist: at a 16k prompt's end the pool is 95% of the keys (measured, 512 queries beside
+    12,000 pooled rows: 1.02 s against ``weighted``'s 3.85 s)."""
     if pooled == 0:
         return weighted(query, key, value, visible, bias, scaling, False, watched)
-    if query.device.type != "cpu":
-        b, _, q, _ = query.shape
-        if pooled_visible is None:
-            pooled_visible = torch.ones(b, 1, pooled, dtype=torch.bool, device=query.device)
-        heads = max(pooled_visible.shape[1], visible.shape[1])
-        every = torch.cat([pooled_visible[:, :, None].expand(b, heads, q, -1), visible.expand(b, heads, q, -1)], -1)
-        if bias is not None:
-            bias = F.pad(bias, (pooled, 0))
-        out, mass, last = weighted(query, key, value, every, bias, scaling, False, watched)
-        return out, mass[..., pooled:], last[..., pooled:]
     b, n_heads, q, d = query.shape
     h = key.shape[1]
     g = n_heads // h
