@@ -32,6 +32,18 @@ def test_int4_layout_holds_the_grid():
     assert ((dense - weight).abs() <= (scale / 2 + 1e-6).repeat_interleave(32, dim=1)).all()
 
 
+@pytest.mark.parametrize("shape", [(3072, 576), (7, 96)])  # SmolLM2's gate and up, an odd row count
+def test_int4_dequantize_is_the_reference_unpacking(shape):
+    """What a prefill chunk multiplies: the floats of ``unpack_int4`` (q * scale + minimum), up to
+    rounding (the compiler may fuse the multiply and the add)."""
+    torch.manual_seed(0)
+    operands = native.pack_int4(torch.randn(shape) * 3)
+    expected = native.unpack_int4(*operands)
+    got = torch.ops.infinikv.int4_dequantize(*operands)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert (got - expected).abs().max() < 1e-6 * expected.abs().max()
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int8_linear_is_the_dequantized_product(rows):
     torch.manual_seed(0)

@@ -101,6 +101,10 @@ def _register_fakes() -> None:
     def _(x, packed, scale, minimum):
         return x.new_empty(x.shape[0], packed.shape[0])
 
+    @torch.library.register_fake(lib + "int4_dequantize")
+    def _(packed, scale, minimum):
+        return scale.new_empty(packed.shape[0], packed.shape[1] * 2)
+
     @torch.library.register_fake(lib + "int8_linear")
     def _(x, q, scale):
         return x.new_empty(x.shape[0], q.shape[0])
