@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from infinikv import Batch, make_policy, policy_names
+from infinikv import Batch, load_model, make_policy, policy_names
 from infinikv.contract import Budget
 from infinikv.core import step_together
 from infinikv.engine import encode_prompts
@@ -249,6 +249,13 @@ def test_slots_fill_holes_before_growing():
     assert bool(slots.state["valid"][:, :, :4].all())
 
 
+@pytest.fixture(scope="module")
+def packed():
+    """(model, tokenizer) of the bundled model as a user runs it (int4, infinikv's kernels): where a
+    test compares policies' behaviour rather than their bits, a decode step costs a quarter of fp32's."""
+    return load_model("smollm2-135m")
+
+
 def bounded_and_full(model, capacity: int) -> dict[str, Batch]:
     """A batch of each bounded policy at ``capacity``, and one of ``full``: the bar they are held to."""
     policies = {"full": make_policy("full")} | {name: make_policy(name, capacity=capacity) for name in BOUNDED}
@@ -272,13 +279,13 @@ NEW, CAPACITY = 120, 64  # greedy tokens, cache capacity: the prompt (~40 tokens
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_greedy_past_capacity_does_not_collapse(real):
+def test_greedy_past_capacity_does_not_collapse(packed):
     """120 greedy tokens at capacity 64, every bounded policy and `full` decoding together (one
     forward a step, as the server batches them): no run of one repeated token, as varied as `full`.
 
     (This 135M model loops on phrases even with the full cache, so the bar is `full` itself.)
     """
-    model, tokenizer = real
+    model, tokenizer = packed
     prompt = encode_prompts(tokenizer, [STORY], chat=True)[0]
     assert len(prompt) + NEW > CAPACITY + 80  # well past capacity
     stories = greedy_together(bounded_and_full(model, CAPACITY), prompt, NEW)
@@ -292,13 +299,13 @@ PAST = 145  # tokens of Emma teacher-forced: 97 past a capacity of 48
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_positions_advance_past_eviction(real, emma_ids):
+def test_positions_advance_past_eviction(packed, emma_ids):
     """Teacher-forced perplexity on real text stays near `full` long after the cache is full: every
     bounded policy at capacity 48 and `full` read Emma's tokens 33..145 after the first 32, together.
 
     With positions stuck at the stored length, this perplexity is several times `full`'s.
     """
-    batches = bounded_and_full(real[0], 48)
+    batches = bounded_and_full(packed[0], 48)
     for batch in batches.values():
         batch.extend(emma_ids[:, :32])
     nll = torch.zeros(len(batches), dtype=torch.float64)
