@@ -137,13 +137,16 @@ class NativeLinear(PackedLinear):
     """int8 or int4 through infinikv's CPU kernels (``infinikv.native``): float32 activations, no
     rounding of the input, scales kept in float32. A decode step's few rows go through the
     kernel; a prefill chunk's many rows through a float32 GEMM of the dequantized weight, which
-    is faster there (measured: 576x3072 at 512 rows, 16.2 ms by the kernel, 13.9 dequantized),
-    a block of output rows at a time: a block of 4 MiB stays in the cache and in malloc's heap,
-    where a whole large weight came from fresh pages every call (Qwen2.5's 9728x896 gate and up at
-    128 rows, one thread: 96 ms whole, 46 ms in blocks)."""
+    is faster there (measured: 576x3072 at 512 rows, 16.2 ms by the kernel, 13.9 dequantized).
+    Below ``WHOLE_ROWS`` rows the weight is dequantized a block of 4 MiB at a time: a block stays in
+    the cache and in malloc's heap, where a large weight came from fresh pages every call, a cost
+    that many rows amortize and few do not (2 threads, Qwen2.5's 9728x896 gate and up: at 128 rows
+    56 ms whole, 37 ms in blocks; at 2,048 rows 411 ms whole, 653 ms in blocks, which copy their
+    outputs into place)."""
 
     GEMV_ROWS = 16  # above this many rows, dequantize and multiply
-    BLOCK_FLOATS = 1 << 20  # the dequantized weight's block
+    WHOLE_ROWS = 256  # from this many rows, dequantize the whole weight at once
+    BLOCK_FLOATS = 1 << 20  # below it, a block of the dequantized weight
 
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__(linear, fmt)
@@ -169,8 +172,10 @@ class NativeLinear(PackedLinear):
             if self.fmt == "int8":
                 return torch.ops.infinikv.int8_linear(flat, self.weight, self.scale)
             return torch.ops.infinikv.int4_linear(flat, self.weight, self.scale, self.minimum)
-        out = flat.new_empty(flat.shape[0], self.out_features)
         block = max(1, self.BLOCK_FLOATS // self.in_features)
+        if flat.shape[0] >= self.WHOLE_ROWS or block >= self.out_features:
+            return F.linear(flat, self.dense())
+        out = flat.new_empty(flat.shape[0], self.out_features)
         for start in range(0, self.out_features, block):
             rows = slice(start, start + block)
             out[:, rows] = F.linear(flat, self.dense_rows(rows))
