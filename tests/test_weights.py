@@ -40,7 +40,8 @@ def test_torch_kernels_compute_with_the_weight_they_stand_for(fmt):
     assert error > 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])  # decode steps through the kernel, a prefill chunk dequantized
+# decode steps through the kernel; prefill chunks dequantized, a block of rows at a time, then whole
+@pytest.mark.parametrize("rows", [1, 3, 40, 300])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_native_kernels_compute_with_the_weight_they_stand_for_in_float32(fmt, rows):
     """infinikv's kernels (what `pack_linear` picks on this CPU): x @ W'ᵀ + b in float32, no input
@@ -49,6 +50,7 @@ def test_native_kernels_compute_with_the_weight_they_stand_for_in_float32(fmt, r
     linear = nn.Linear(128, 96)
     layer = packed.pack_linear(linear, fmt)
     assert isinstance(layer, packed.NativeLinear)
+    layer.BLOCK_FLOATS = 40 * 128  # blocks of 40 output rows: 40, 40 and 16
     x = torch.randn(rows, 128)
     exact = x @ layer.dense().T + linear.bias.detach()
     assert (layer(x) - exact).abs().max() < 1e-5
