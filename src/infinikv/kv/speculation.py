@@ -142,6 +142,27 @@ def select_by_mass(
     >= 1, one cap): that set comes in no order, since attention does not depend on it and
     sorting it cost more than choosing it.
     """
+    probs, rank, fetchable = mass_ranking(scores, resident, masked, clone=mass < 1)
+    k = min(max(cap), probs.shape[-1])
+    if mass >= 1 and min(cap) >= k:  # every row takes its top k: the set, in no order (no sort at all)
+        rows = rank.topk(k, dim=-1, sorted=False).indices
+        return rows, None if fetchable is None else fetchable.gather(-1, rows)
+    top = RankedByMass(probs, rank, fetchable, cap)
+    rows, order = top.indices.sort(-1)
+    return rows, top.take(mass).gather(-1, order)
+
+
+def mass_ranking(
+    scores: torch.Tensor,
+    resident: torch.Tensor | tuple[int, int] | None = None,
+    masked: bool = True,
+    clone: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the mass rule ranks, from ``scores`` (b, h, g, n) and ``resident`` as
+    ``select_by_mass`` takes them: the group's mean softmax weights ``probs`` (b, h, n), the
+    ``rank`` (residents above any weight) and which tokens are ``fetchable`` (None unless
+    ``masked``). ``clone`` False lets a tuple ``resident`` raise ``probs`` in place, for a caller
+    that reads only the rank after."""
     probs = scores.softmax(-1).mean(2)  # (b, h, n)
     fetchable = None
     if masked:
@@ -149,23 +170,30 @@ def select_by_mass(
         fetchable = scores.amax(2) > -math.inf  # (b, h, n)
     if isinstance(resident, tuple):  # residents above any weight: first (two slices, in place)
         first, recent = resident
-        rank = probs if mass >= 1 else probs.clone()  # the mass rule still reads the weights
+        rank = probs.clone() if clone else probs
         rank[..., :first] += 2
         rank[..., max(first, rank.shape[-1] - recent) :] += 2  # each resident once
     else:
         rank = probs if resident is None else probs + 2 * resident
-    k = min(max(cap), probs.shape[-1])
-    if mass >= 1 and min(cap) >= k:  # every row takes its top k: the set, in no order (no sort at all)
-        rows = rank.topk(k, dim=-1, sorted=False).indices
-        return rows, None if fetchable is None else fetchable.gather(-1, rows)
-    top = rank.topk(k, dim=-1)
-    counts = torch.tensor(cap, device=scores.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
-    if mass < 1:
-        weights = probs.gather(-1, top.indices)
-        before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
-        counts = torch.minimum((before < mass).sum(-1), counts).clamp(min=1)  # (b, h)
-    fetch = torch.arange(k, device=scores.device) < counts[..., None]
-    if fetchable is not None:
-        fetch = fetch & fetchable.gather(-1, top.indices)
-    rows, order = top.indices.sort(-1)
-    return rows, fetch.gather(-1, order)
+    return probs, rank, fetchable
+
+
+class RankedByMass:
+    """Each head's top tokens by rank, best first, and what a speculated mass takes of them: one
+    top-k serves every mass (calibration measures a dozen on the same scores)."""
+
+    def __init__(self, probs: torch.Tensor, rank: torch.Tensor, fetchable: torch.Tensor | None, cap: list[int]):
+        """``mass_ranking``'s outputs (b, h, n) and ``cap``, one int per sequence."""
+        k = min(max(cap), probs.shape[-1])
+        self.indices = rank.topk(k, dim=-1).indices  # (b, h, k)
+        weights = probs.gather(-1, self.indices)
+        self.before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
+        self.cap = torch.tensor(cap, device=probs.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
+        self.fetchable = None if fetchable is None else fetchable.gather(-1, self.indices)
+
+    def take(self, mass: float) -> torch.Tensor:
+        """(b, h, k) in rank order: True for the tokens ``mass`` takes, the fewest whose mass
+        reaches it within the cap (``mass`` >= 1: the cap), fetchable ones only."""
+        counts = self.cap if mass >= 1 else torch.minimum((self.before < mass).sum(-1), self.cap).clamp(min=1)
+        fetch = torch.arange(self.indices.shape[-1], device=self.cap.device) < counts[..., None]
+        return fetch if self.fetchable is None else fetch & self.fetchable

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,12 @@ from tqdm import tqdm
 
 from ..errors import InfinikvError
 from ..kv.speculation import (
+    RankedByMass,
     column_scores,
+    mass_ranking,
     pair_scores,
     pairs_to_columns,
     partial_query,
-    select_by_mass,
     speculative_scores,
 )
 from ..modules import attention_modules, is_rotary, partial_weights, project
@@ -77,7 +79,9 @@ def fit_and_save(model: torch.nn.Module, ids: torch.Tensor, text: str, fit: Fit,
     prep = calibrate(model, ids.to(model_device(model)), fit, progress)
     prep["calibration"], prep["version"] = text, PREP_VERSION
     path = prep_path(model, fit)
-    path.write_text(json.dumps(prep))
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may be reading it
+    temporary.write_text(json.dumps(prep))
+    os.replace(temporary, path)
     return path
 
 
@@ -177,10 +181,12 @@ def coverage_curve(
     scores = scores.masked_fill(~stored[:, None, None], -math.inf)
     cap = (at * fit.max_fetch).ceil().long().clamp(min=1).tolist()
     resident = stored & ((positions < fit.keep_first) | (positions >= at[:, None] - fit.keep_recent))
+    ranked = RankedByMass(*mass_ranking(scores, resident[:, None].expand(-1, h, -1)), cap)  # as select_by_mass ranks
+    truth = truth.gather(-1, ranked.indices)  # (T, h, k)
     coverage, fetched = [], []
     for mass in MASS_GRID:
-        rows, fetch = select_by_mass(scores, mass, cap, resident[:, None].expand(-1, h, -1))
-        coverage.append(round(float(((truth.gather(-1, rows) * fetch).sum(-1) + current).mean()), 4))
+        fetch = ranked.take(mass)
+        coverage.append(round(float(((truth * fetch).sum(-1) + current).mean()), 4))
         fetched.append(round(float((fetch.sum(-1) / at[:, None]).mean()), 4))
     return coverage, fetched
 
