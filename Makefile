@@ -50,7 +50,7 @@ $(BROWSER):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-# The tests' InfiniGen calibration of the bundled model (`infinikv prepare`, 45 s on 2 threads), made
+# The tests' InfiniGen calibration of the bundled model (`infinikv prepare`, about 40 s on 2 threads), made
 # once here rather than by the first test of each test process (1 thread each).
 $(HOME_DIR)/models/smollm2-135m/infinikv-infinigen.json: | $(HOME_DIR)/models/smollm2-135m/config.json
 	$(BIN)/infinikv prepare --policy infinigen --quiet
