@@ -11,6 +11,7 @@ columns are kept, unskewed.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +186,15 @@ class RankedByMass:
     def __init__(self, probs: torch.Tensor, rank: torch.Tensor, fetchable: torch.Tensor | None, cap: list[int]):
         """``mass_ranking``'s outputs (b, h, n) and ``cap``, one int per sequence."""
         k = min(max(cap), probs.shape[-1])
-        self.indices = rank.topk(k, dim=-1).indices  # (b, h, k)
-        weights = probs.gather(-1, self.indices)
-        self.before = weights.cumsum(-1) - weights  # mass of the higher-ranked tokens
+        self.probs, self.indices = probs, rank.topk(k, dim=-1).indices  # (b, h, k)
         self.cap = torch.tensor(cap, device=probs.device)[:, None].clamp(max=probs.shape[-1])  # (b, 1)
         self.fetchable = None if fetchable is None else fetchable.gather(-1, self.indices)
+
+    @cached_property
+    def before(self) -> torch.Tensor:
+        """(b, h, k): the mass of the tokens ranked above each; only a mass below 1 reads it."""
+        weights = self.probs.gather(-1, self.indices)
+        return weights.cumsum(-1) - weights
 
     def take(self, mass: float) -> torch.Tensor:
         """(b, h, k) in rank order: True for the tokens ``mass`` takes, the fewest whose mass
